@@ -1,0 +1,1 @@
+"""specgate's HTTP face: the OpenAI-compatible gateway, its admin API and the command line."""

@@ -1,0 +1,134 @@
+"""The `specgate` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from workers.sim.engine import EngineConfig, Mode
+from workers.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1), got {text}")
+    return value
+
+
+def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "sim",
+        help="run one simulated vLLM replica",
+        description="A calibrated model of a vLLM server, speaking vLLM's HTTP API and metrics.",
+    )
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.PLAIN.value)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
+    p.add_argument("--model", help="served model name (default: the profile's model)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"one of: {', '.join(PROFILES)}")
+    p.add_argument("--time-scale", type=_positive_float, default=1.0, help="run the clock S times faster")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    p.add_argument("--kv-capacity-tokens", type=_positive_int, help="override the profile's KV token slots")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, help="override the profile's k")
+    p.add_argument("--acceptance", type=_fraction, help="override the profile's mean acceptance rate")
+    p.add_argument("--list-profiles", action="store_true", help="print the profiles and exit")
+    p.set_defaults(func=_run_sim)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    if args.list_profiles:
+        print("\n\n".join(p.describe() for p in PROFILES.values()))
+        return 0
+    from workers.sim.replica import SimSettings
+    from workers.sim.server import serve
+
+    try:
+        profile = get_profile(args.profile)
+        settings = SimSettings(
+            mode=Mode(args.mode),
+            profile=profile,
+            model=args.model or profile.model,
+            host=args.host,
+            port=args.port,
+            time_scale=args.time_scale,
+            seed=args.seed,
+            engine=EngineConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_capacity_tokens=args.kv_capacity_tokens,
+                num_speculative_tokens=args.num_speculative_tokens,
+                acceptance_mean=args.acceptance,
+            ),
+        )
+    except (KeyError, ValueError) as exc:
+        print(f"specgate sim: {exc.args[0]}", file=sys.stderr)
+        return 2
+
+    def ready(url: str) -> None:
+        print(
+            f"specgate sim: {settings.mode.value} replica of {settings.model} "
+            f"(profile {profile.name}, time scale {settings.time_scale:g}) listening on {url}",
+            flush=True,
+        )
+
+    _run_until_signalled(lambda: serve(settings, on_ready=ready))
+    return 0
+
+
+def _run_until_signalled(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run a server coroutine under uvloop until SIGINT or SIGTERM, then clean up."""
+    try:
+        import uvloop
+
+        runner: Callable[..., Any] = uvloop.run
+    except ImportError:  # uvloop does not build everywhere; asyncio's loop works too
+        runner = asyncio.run
+
+    async def guarded() -> None:
+        task = asyncio.ensure_future(main())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    runner(guarded())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specgate", description="SLA-aware gateway for speculative and plain vLLM pools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_sim(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

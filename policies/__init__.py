@@ -1,0 +1,1 @@
+"""The routing decision: request features, the latency model and the routing policies."""

@@ -1,0 +1,1 @@
+"""The replicas: pools, scraping, launching real vLLM servers, and the simulated vLLM replica."""

@@ -1,0 +1,1 @@
+"""A calibrated simulated vLLM replica: engine model, profiles, metrics and HTTP face."""
