@@ -185,6 +185,15 @@ class Engine:
             spec.kv_capacity_tokens if self.speculative else profile.kv_capacity_tokens
         )
         self.total_blocks = capacity // config.block_size
+        # As vLLM refuses to start when one max-length sequence cannot fit, so does the model:
+        # it guarantees a lone request can always run, so the engine never stalls.
+        if self.total_blocks * config.block_size < profile.max_model_len + 2 * self.k + 1:
+            raise ValueError(
+                f"KV capacity of {capacity} tokens cannot hold one sequence of max_model_len "
+                f"{profile.max_model_len}"
+            )
+        if config.max_num_batched_tokens < 1 + self.k:
+            raise ValueError("max_num_batched_tokens must fit one decode step with its draft tokens")
         self.free_blocks = self.total_blocks
         self.now = 0.0
         self.counters = EngineCounters(accepted_per_pos=[0] * self.k)

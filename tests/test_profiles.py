@@ -1,0 +1,126 @@
+"""Fidelity: the engine model reproduces the figures its profiles were calibrated on."""
+
+import statistics
+
+import pytest
+
+from workers.sim.costs import TableStepModel
+from workers.sim.engine import Engine, EngineConfig, FinishedRequest, Mode
+from workers.sim.profiles import A100_CODELLAMA_34B, DEFAULT_PROFILE, PROFILES, WHITEPAPER, Profile, get_profile
+
+
+def run_alone(profile: Profile, mode: Mode, prompt: int, output: int, seed: int = 0, spread: bool = True) -> FinishedRequest:
+    config = EngineConfig(acceptance_concentration=None if spread else 0.0)
+    engine = Engine(profile, mode, config, seed=seed)
+    engine.add_request("only", prompt, output, arrival=0.0)
+    finished: list[FinishedRequest] = []
+    while engine.has_work():
+        finished += engine.step().finished
+    (request,) = finished
+    return request
+
+
+# The whitepaper's batch-1 figures: 512 prompt tokens, 256 output tokens.
+@pytest.mark.parametrize(
+    ("mode", "ttft_ms", "tpot_ms"),
+    [(Mode.PLAIN, 420.0, 38.0), (Mode.SPECULATIVE, 480.0, 18.0)],
+)
+def test_whitepaper_profile_reproduces_its_batch1_figures(mode: Mode, ttft_ms: float, tpot_ms: float) -> None:
+    at_mean = run_alone(WHITEPAPER, mode, 512, 256, spread=False)
+    assert at_mean.ttft is not None
+    assert at_mean.tpot is not None
+    assert at_mean.ttft * 1e3 == pytest.approx(ttft_ms, rel=0.10)
+    assert at_mean.tpot * 1e3 == pytest.approx(tpot_ms, rel=0.10)
+    # With acceptance drawn per request, the mean over many single requests still holds.
+    tpots = [run_alone(WHITEPAPER, mode, 512, 256, seed=s).tpot for s in range(40)]
+    assert statistics.mean(t for t in tpots if t is not None) * 1e3 == pytest.approx(tpot_ms, rel=0.10)
+
+
+def decode_step(profile: Profile, batch: int, context: int) -> tuple[float, float]:
+    """(forward ms, whole step ms) of the first pure decode step of `batch` sequences at `context`."""
+    # A budget that prefills every prompt in the first step makes the second a pure decode.
+    engine = Engine(profile, Mode.PLAIN, EngineConfig(max_num_batched_tokens=batch * context))
+    for i in range(batch):
+        engine.add_request(f"r{i}", context - 1, 8, arrival=0.0)
+    assert engine.step().batch.prefill_seqs == batch
+    step = engine.step()
+    assert (step.batch.decode_seqs, step.batch.prefill_tokens, step.batch.mean_context) == (batch, 0, context)
+    return step.forward_ms, step.duration * 1e3
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32, 64])
+@pytest.mark.parametrize("row", [0, 1])
+def test_measured_profile_decode_steps_match_the_tables(batch: int, row: int) -> None:
+    steps = A100_CODELLAMA_34B.steps
+    assert isinstance(steps, TableStepModel)
+    table = steps.decode
+    context = (table.short_context, table.long_context)[row]
+    measured_ms = (table.short_ms, table.long_ms)[row][table.batch_sizes.index(batch)]
+    forward_ms, step_ms = decode_step(A100_CODELLAMA_34B, batch, context)
+    assert forward_ms == pytest.approx(measured_ms, rel=0.10)
+    # The whole step adds Vidur's CPU overhead for TP2 (8.0 ms at B=8, 13.4 ms at B=128).
+    assert step_ms == pytest.approx(measured_ms + steps.overhead(batch), rel=0.01)
+
+
+def test_measured_profile_overhead_matches_vidur_points() -> None:
+    steps = A100_CODELLAMA_34B.steps
+    assert isinstance(steps, TableStepModel)
+    assert steps.overhead(8) == pytest.approx(8.0, abs=0.05)
+    assert steps.overhead(128) == pytest.approx(13.4, abs=0.05)
+
+
+def speedup_at(profile: Profile, concurrency: int, prompt: int = 512, output: int = 256) -> float:
+    """Median plain TPOT over median speculative TPOT with `concurrency` requests at once."""
+    medians = []
+    for mode in (Mode.PLAIN, Mode.SPECULATIVE):
+        engine = Engine(profile, mode, EngineConfig(acceptance_concentration=0.0))
+        for i in range(concurrency):
+            engine.add_request(f"r{i}", prompt, output, arrival=0.0)
+        tpots = []
+        while engine.has_work():
+            tpots += [f.tpot for f in engine.step().finished if f.tpot is not None]
+        medians.append(statistics.median(tpots))
+    return medians[0] / medians[1]
+
+
+def test_speculative_advantage_shrinks_as_batch_grows() -> None:
+    speedups = [speedup_at(A100_CODELLAMA_34B, n) for n in (1, 16, 32, 64, 128, 256)]
+    assert speedups[0] > 2.0  # ~2.4x alone
+    assert all(later < earlier for earlier, later in zip(speedups, speedups[1:], strict=False)), speedups
+    assert speedups[-1] < 1.0  # at full batch, speculation loses
+
+
+def test_preemptions_appear_when_kv_runs_out() -> None:
+    def preemptions(concurrency: int) -> int:
+        engine = Engine(A100_CODELLAMA_34B, Mode.PLAIN, EngineConfig(kv_capacity_tokens=20_000))
+        for i in range(concurrency):
+            engine.add_request(f"r{i}", 1024, 512, arrival=0.0)
+        count = 0
+        while engine.has_work():
+            count += len(engine.step().preempted)
+        return count
+
+    assert preemptions(8) == 0  # 8 x 1,536 tokens fit in 20k slots
+    assert preemptions(32) > 0  # 32 x 1,536 do not
+
+
+@pytest.mark.parametrize("profile", list(PROFILES.values()), ids=list(PROFILES))
+def test_every_profile_is_coherent(profile: Profile) -> None:
+    assert profile.spec.kv_capacity_tokens < profile.kv_capacity_tokens  # the draft takes memory
+    assert profile.sources
+    alone = {mode: run_alone(profile, mode, 512, 256, spread=False) for mode in Mode}
+    plain, spec = alone[Mode.PLAIN], alone[Mode.SPECULATIVE]
+    assert plain.ttft is not None and spec.ttft is not None
+    assert plain.tpot is not None and spec.tpot is not None
+    assert spec.ttft > plain.ttft  # speculation costs time to first token
+    assert spec.tpot < plain.tpot  # and saves time per token at batch 1
+    assert profile.name in profile.describe()
+
+
+def test_default_profile_is_the_measured_one() -> None:
+    assert get_profile(DEFAULT_PROFILE) is A100_CODELLAMA_34B
+
+
+def test_unknown_profile_names_the_known_ones() -> None:
+    with pytest.raises(KeyError, match="whitepaper"):
+        get_profile("nope")
