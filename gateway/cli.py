@@ -61,8 +61,13 @@ def _run_sim(args: argparse.Namespace) -> int:
     if args.list_profiles:
         print("\n\n".join(p.describe() for p in PROFILES.values()))
         return 0
+    import prometheus_client
+
     from workers.sim.replica import SimSettings
     from workers.sim.server import serve
+
+    # vLLM turns off the `_created` series for its whole process; the replica matches it.
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
     try:
         profile = get_profile(args.profile)
@@ -118,7 +123,9 @@ def _run_until_signalled(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specgate", description="SLA-aware gateway for speculative and plain vLLM pools")
+    parser = argparse.ArgumentParser(
+        prog="specgate", description="SLA-aware gateway for speculative and plain vLLM pools"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sim(sub)
     return parser

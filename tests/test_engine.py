@@ -137,16 +137,12 @@ def test_same_seed_same_run(mode: Mode) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"prompt_tokens": 0, "output_tokens": 1}, "at least one"),
-        ({"prompt_tokens": 1, "output_tokens": 0}, "at least one"),
-        ({"prompt_tokens": 16_000, "output_tokens": 1000}, "max_model_len"),
-    ],
+    ("prompt", "output", "message"),
+    [(0, 1, "at least one"), (1, 0, "at least one"), (16_000, 1000, "max_model_len")],
 )
-def test_add_request_rejects_impossible_requests(kwargs: dict[str, int], message: str) -> None:
+def test_add_request_rejects_impossible_requests(prompt: int, output: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        Engine(PROFILE, Mode.PLAIN).add_request("r", **kwargs)
+        Engine(PROFILE, Mode.PLAIN).add_request("r", prompt, output)
 
 
 def test_duplicate_request_ids_are_rejected() -> None:
@@ -164,7 +160,7 @@ def test_duplicate_request_ids_are_rejected() -> None:
     ],
 )
 def test_engine_refuses_configurations_that_could_stall(config: EngineConfig) -> None:
-    with pytest.raises(ValueError, match="max_model_len|draft"):
+    with pytest.raises(ValueError, match=r"max_model_len|draft"):
         Engine(PROFILE, Mode.SPECULATIVE, config)
 
 

@@ -1,5 +1,6 @@
 """Fidelity: the engine model reproduces the figures its profiles were calibrated on."""
 
+import itertools
 import statistics
 
 import pytest
@@ -9,7 +10,9 @@ from workers.sim.engine import Engine, EngineConfig, FinishedRequest, Mode
 from workers.sim.profiles import A100_CODELLAMA_34B, DEFAULT_PROFILE, PROFILES, WHITEPAPER, Profile, get_profile
 
 
-def run_alone(profile: Profile, mode: Mode, prompt: int, output: int, seed: int = 0, spread: bool = True) -> FinishedRequest:
+def run_alone(
+    profile: Profile, mode: Mode, prompt: int, output: int, seed: int = 0, spread: bool = True
+) -> FinishedRequest:
     config = EngineConfig(acceptance_concentration=None if spread else 0.0)
     engine = Engine(profile, mode, config, seed=seed)
     engine.add_request("only", prompt, output, arrival=0.0)
@@ -86,7 +89,7 @@ def speedup_at(profile: Profile, concurrency: int, prompt: int = 512, output: in
 def test_speculative_advantage_shrinks_as_batch_grows() -> None:
     speedups = [speedup_at(A100_CODELLAMA_34B, n) for n in (1, 16, 32, 64, 128, 256)]
     assert speedups[0] > 2.0  # ~2.4x alone
-    assert all(later < earlier for earlier, later in zip(speedups, speedups[1:], strict=False)), speedups
+    assert all(later < earlier for earlier, later in itertools.pairwise(speedups)), speedups
     assert speedups[-1] < 1.0  # at full batch, speculation loses
 
 
@@ -110,8 +113,10 @@ def test_every_profile_is_coherent(profile: Profile) -> None:
     assert profile.sources
     alone = {mode: run_alone(profile, mode, 512, 256, spread=False) for mode in Mode}
     plain, spec = alone[Mode.PLAIN], alone[Mode.SPECULATIVE]
-    assert plain.ttft is not None and spec.ttft is not None
-    assert plain.tpot is not None and spec.tpot is not None
+    assert plain.ttft is not None
+    assert spec.ttft is not None
+    assert plain.tpot is not None
+    assert spec.tpot is not None
     assert spec.ttft > plain.ttft  # speculation costs time to first token
     assert spec.tpot < plain.tpot  # and saves time per token at batch 1
     assert profile.name in profile.describe()

@@ -189,8 +189,7 @@ class Engine:
         # it guarantees a lone request can always run, so the engine never stalls.
         if self.total_blocks * config.block_size < profile.max_model_len + 2 * self.k + 1:
             raise ValueError(
-                f"KV capacity of {capacity} tokens cannot hold one sequence of max_model_len "
-                f"{profile.max_model_len}"
+                f"KV capacity of {capacity} tokens cannot hold one sequence of max_model_len {profile.max_model_len}"
             )
         if config.max_num_batched_tokens < 1 + self.k:
             raise ValueError("max_num_batched_tokens must fit one decode step with its draft tokens")

@@ -116,7 +116,7 @@ def parse_request(endpoint: Endpoint, body: Any, served_model: str, max_model_le
 
     prompt_tokens = _count_prompt(endpoint, body)
     room = max_model_len - prompt_tokens
-    if max_tokens is not None and max_tokens > room or room < 1:
+    if room < 1 or (max_tokens is not None and max_tokens > room):
         requested = prompt_tokens + (max_tokens or 1)
         raise SimRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

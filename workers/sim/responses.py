@@ -37,10 +37,9 @@ class ResponseIds:
 
 
 def _head(ids: ResponseIds, endpoint: Endpoint, chunk: bool) -> dict[str, Any]:
+    kind = "text_completion"
     if endpoint is Endpoint.CHAT:
         kind = "chat.completion.chunk" if chunk else "chat.completion"
-    else:
-        kind = "text_completion"
     return {"id": ids.id, "object": kind, "created": ids.created, "model": ids.model}
 
 
@@ -72,7 +71,9 @@ def text_chunk(
 
 
 def usage_chunk(ids: ResponseIds, endpoint: Endpoint, prompt_tokens: int, completion_tokens: int) -> bytes:
-    return sse({**_head(ids, endpoint, True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    # vLLM drops unset fields from the final usage chunk.
+    final = {k: v for k, v in usage(prompt_tokens, completion_tokens).items() if v is not None}
+    return sse({**_head(ids, endpoint, True), "choices": [], "usage": final})
 
 
 def full_response(
@@ -80,7 +81,7 @@ def full_response(
 ) -> bytes:
     choice: dict[str, Any]
     if endpoint is Endpoint.CHAT:
-        message = {
+        message: dict[str, Any] = {
             "role": "assistant",
             "content": text,
             "refusal": None,

@@ -9,9 +9,11 @@ out as one chunk, so a speculative replica sends its accepted runs in bursts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 
 import orjson
@@ -22,6 +24,8 @@ from workers.sim.metrics import CONTENT_TYPE
 from workers.sim.protocol import Endpoint, GenerationRequest, SimRequestError, parse_request
 from workers.sim.replica import Replica, SimSettings, Submission
 from workers.sim.responses import ResponseIds
+
+_log = logging.getLogger(__name__)
 
 SETTINGS = web.AppKey("settings", SimSettings)
 REPLICA = web.AppKey("replica", Replica)
@@ -35,11 +39,18 @@ def _error(err: SimRequestError) -> web.Response:
 
 
 @web.middleware
-async def _errors(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+async def _errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     try:
         return await handler(request)
     except SimRequestError as err:
         return _error(err)
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # a bug must still answer in the error shape, not drop the connection
+        _log.exception("request failed")
+        return _error(SimRequestError(f"internal error: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR))
 
 
 async def _replica_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -48,18 +59,17 @@ async def _replica_ctx(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(replica.run(), name="sim-engine")
     yield
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await task
-    except asyncio.CancelledError:
-        pass
 
 
 async def _read_json(request: web.Request) -> object:
     try:
         raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[SETTINGS].max_body_bytes
         raise SimRequestError(
-            f"request body exceeds {exc.max_size} bytes", status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+            f"request body exceeds {limit} bytes", status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE
         ) from None
     try:
         return orjson.loads(raw)
