@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.acceptance import SpecCounters, acceptance
+from bench.fidelity import acceptance_after_run
 from workers.sim.engine import Engine, EngineConfig, FinishReason, Mode, StepResult
 from workers.sim.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B, Profile
 
@@ -192,16 +192,12 @@ def test_plain_steps_never_draft() -> None:
 
 @pytest.mark.parametrize(("profile", "alpha"), [(PROFILE, 0.72), (PROFILE, 0.3), (H100_LLAMA31_8B, 0.6)])
 def test_spec_counters_recover_the_acceptance_rate(profile: Profile, alpha: float) -> None:
-    engine = Engine(profile, Mode.SPECULATIVE, EngineConfig(acceptance_mean=alpha, acceptance_concentration=0.0))
-    for i in range(40):
-        engine.add_request(f"r{i}", 256, 400, arrival=0.0)
-    drain(engine)
-    c = engine.counters
-    est = acceptance(SpecCounters(c.drafts, c.draft_tokens, c.accepted_tokens, tuple(c.accepted_per_pos)))
+    est, engine = acceptance_after_run(profile, alpha)
     assert est is not None
     assert est.per_token_alpha == pytest.approx(alpha, abs=0.02)
     k = engine.k
     assert est.mean_tokens_per_step == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha), rel=0.03)
+    c = engine.counters
     assert c.draft_tokens == k * c.drafts
     assert list(c.accepted_per_pos) == sorted(c.accepted_per_pos, reverse=True)
 

@@ -5,22 +5,10 @@ import statistics
 
 import pytest
 
+from bench.fidelity import decode_step, load_point, run_alone
 from workers.sim.costs import TableStepModel
-from workers.sim.engine import Engine, EngineConfig, FinishedRequest, Mode
+from workers.sim.engine import Mode
 from workers.sim.profiles import A100_CODELLAMA_34B, DEFAULT_PROFILE, PROFILES, WHITEPAPER, Profile, get_profile
-
-
-def run_alone(
-    profile: Profile, mode: Mode, prompt: int, output: int, seed: int = 0, spread: bool = True
-) -> FinishedRequest:
-    config = EngineConfig(acceptance_concentration=None if spread else 0.0)
-    engine = Engine(profile, mode, config, seed=seed)
-    engine.add_request("only", prompt, output, arrival=0.0)
-    finished: list[FinishedRequest] = []
-    while engine.has_work():
-        finished += engine.step().finished
-    (request,) = finished
-    return request
 
 
 # The whitepaper's batch-1 figures: 512 prompt tokens, 256 output tokens.
@@ -37,18 +25,6 @@ def test_whitepaper_profile_reproduces_its_batch1_figures(mode: Mode, ttft_ms: f
     # With acceptance drawn per request, the mean over many single requests still holds.
     tpots = [run_alone(WHITEPAPER, mode, 512, 256, seed=s).tpot for s in range(40)]
     assert statistics.mean(t for t in tpots if t is not None) * 1e3 == pytest.approx(tpot_ms, rel=0.10)
-
-
-def decode_step(profile: Profile, batch: int, context: int) -> tuple[float, float]:
-    """(forward ms, whole step ms) of the first pure decode step of `batch` sequences at `context`."""
-    # A budget that prefills every prompt in the first step makes the second a pure decode.
-    engine = Engine(profile, Mode.PLAIN, EngineConfig(max_num_batched_tokens=batch * context))
-    for i in range(batch):
-        engine.add_request(f"r{i}", context - 1, 8, arrival=0.0)
-    assert engine.step().batch.prefill_seqs == batch
-    step = engine.step()
-    assert (step.batch.decode_seqs, step.batch.prefill_tokens, step.batch.mean_context) == (batch, 0, context)
-    return step.forward_ms, step.duration * 1e3
 
 
 @pytest.mark.parametrize("batch", [1, 8, 32, 64])
@@ -72,22 +48,8 @@ def test_measured_profile_overhead_matches_vidur_points() -> None:
     assert steps.overhead(128) == pytest.approx(13.4, abs=0.05)
 
 
-def speedup_at(profile: Profile, concurrency: int, prompt: int = 512, output: int = 256) -> float:
-    """Median plain TPOT over median speculative TPOT with `concurrency` requests at once."""
-    medians = []
-    for mode in (Mode.PLAIN, Mode.SPECULATIVE):
-        engine = Engine(profile, mode, EngineConfig(acceptance_concentration=0.0))
-        for i in range(concurrency):
-            engine.add_request(f"r{i}", prompt, output, arrival=0.0)
-        tpots = []
-        while engine.has_work():
-            tpots += [f.tpot for f in engine.step().finished if f.tpot is not None]
-        medians.append(statistics.median(tpots))
-    return medians[0] / medians[1]
-
-
 def test_speculative_advantage_shrinks_as_batch_grows() -> None:
-    speedups = [speedup_at(A100_CODELLAMA_34B, n) for n in (1, 16, 32, 64, 128, 256)]
+    speedups = [load_point(A100_CODELLAMA_34B, n).speedup for n in (1, 16, 32, 64, 128, 256)]
     assert speedups[0] > 2.0  # ~2.4x alone
     assert all(later < earlier for earlier, later in itertools.pairwise(speedups)), speedups
     assert speedups[-1] < 1.0  # at full batch, speculation loses
@@ -95,13 +57,8 @@ def test_speculative_advantage_shrinks_as_batch_grows() -> None:
 
 def test_preemptions_appear_when_kv_runs_out() -> None:
     def preemptions(concurrency: int) -> int:
-        engine = Engine(A100_CODELLAMA_34B, Mode.PLAIN, EngineConfig(kv_capacity_tokens=20_000))
-        for i in range(concurrency):
-            engine.add_request(f"r{i}", 1024, 512, arrival=0.0)
-        count = 0
-        while engine.has_work():
-            count += len(engine.step().preempted)
-        return count
+        point = load_point(A100_CODELLAMA_34B, concurrency, prompt=1024, output=512, kv_capacity=20_000)
+        return point.plain_preemptions + point.spec_preemptions
 
     assert preemptions(8) == 0  # 8 x 1,536 tokens fit in 20k slots
     assert preemptions(32) > 0  # 32 x 1,536 do not

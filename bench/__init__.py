@@ -1,0 +1,1 @@
+"""Benchmarks: simulator fidelity, trace replay and policy comparisons."""
