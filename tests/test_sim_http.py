@@ -236,16 +236,18 @@ async def test_metrics_move_with_load(plain: SimProcess) -> None:
     generated_before = plain.sample("vllm:generation_tokens_total")
     done_before = plain.sample("vllm:request_success_total", finished_reason="length")
 
-    async def one() -> None:
-        await aclient(plain).chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=300, extra_body={"ignore_eos": True}
-        )
+    async with aclient(plain) as api:
 
-    tasks = [asyncio.create_task(one()) for _ in range(12)]
-    running = await asyncio.to_thread(plain.wait_for, "vllm:num_requests_running", lambda v: v >= 12)
-    assert running == 12
-    assert plain.sample("vllm:kv_cache_usage_perc") > 0
-    await asyncio.gather(*tasks)
+        async def one() -> None:
+            await api.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=300, extra_body={"ignore_eos": True}
+            )
+
+        tasks = [asyncio.create_task(one()) for _ in range(12)]
+        running = await asyncio.to_thread(plain.wait_for, "vllm:num_requests_running", lambda v: v >= 12)
+        assert running == 12
+        assert plain.sample("vllm:kv_cache_usage_perc") > 0
+        await asyncio.gather(*tasks)
     assert plain.sample("vllm:num_requests_running") == 0
     assert plain.sample("vllm:kv_cache_usage_perc") == 0
     assert plain.sample("vllm:generation_tokens_total") - generated_before == 12 * 300
@@ -281,17 +283,23 @@ async def test_spec_counters_give_the_configured_acceptance(spec: SimProcess) ->
         )
 
     before = counters()
-    sem = asyncio.Semaphore(16)
+    sem = asyncio.Semaphore(32)
 
-    async def one() -> None:
-        async with sem:
-            await aclient(spec).completions.create(
-                model=MODEL, prompt="copy this", max_tokens=200, extra_body={"ignore_eos": True}
-            )
+    async with aclient(spec) as api:
 
-    await asyncio.gather(*(one() for _ in range(48)))
+        async def one() -> None:
+            async with sem:
+                await api.completions.create(
+                    model=MODEL, prompt="copy this", max_tokens=200, extra_body={"ignore_eos": True}
+                )
+
+        await asyncio.gather(*(one() for _ in range(96)))
     est = acceptance(counters() - before)
     assert est is not None
     assert est.drafts > 1000
-    assert est.per_token_alpha == pytest.approx(0.6, abs=0.03)  # --acceptance 0.6
-    assert est.mean_tokens_per_step == pytest.approx((1 - 0.6**6) / (1 - 0.6), rel=0.05)
+    # Each request draws its own rate around the configured mean (--acceptance 0.6); the
+    # per-position counts give the per-token rate back.
+    assert est.per_token_alpha == pytest.approx(0.6, abs=0.03)
+    # vLLM's own figures follow: tokens per step is 1 + accepted per draft, and the draft
+    # acceptance rate is accepted over k drafted per step.
+    assert est.mean_tokens_per_step == pytest.approx(1 + est.draft_acceptance_rate * 5)
