@@ -10,8 +10,8 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from workers.sim.engine import EngineConfig, Mode
-from workers.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
+from workers.sim.engine import EngineConfig, Mode, kv_blocks
+from workers.sim.profiles import DEFAULT_PROFILE, PROFILES, SOURCES, get_profile
 
 
 def _positive_float(text: str) -> float:
@@ -60,6 +60,8 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _run_sim(args: argparse.Namespace) -> int:
     if args.list_profiles:
         print("\n\n".join(p.describe() for p in PROFILES.values()))
+        print("\nsources:")
+        print("\n".join(f"  {key}: {text}" for key, text in SOURCES.items()))
         return 0
     import prometheus_client
 
@@ -87,6 +89,7 @@ def _run_sim(args: argparse.Namespace) -> int:
                 acceptance_mean=args.acceptance,
             ),
         )
+        kv_blocks(settings.profile, settings.mode, settings.engine)
     except (KeyError, ValueError) as exc:
         print(f"specgate sim: {exc.args[0]}", file=sys.stderr)
         return 2

@@ -168,31 +168,46 @@ class EngineCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
+def speculative_tokens(profile: Profile, mode: Mode, config: EngineConfig) -> int:
+    """k, the draft tokens verified per sequence per step (0 in plain mode)."""
+    if mode is Mode.PLAIN:
+        return 0
+    return config.num_speculative_tokens or profile.spec.num_speculative_tokens
+
+
+def kv_blocks(profile: Profile, mode: Mode, config: EngineConfig) -> int:
+    """The replica's KV blocks; raises ValueError for settings under which the engine could stall.
+
+    As vLLM refuses to start when one max-length sequence cannot fit in its KV cache, so does
+    the model: a lone request can then always run, and the engine never stalls.
+    """
+    k = speculative_tokens(profile, mode, config)
+    default = profile.spec.kv_capacity_tokens if mode is Mode.SPECULATIVE else profile.kv_capacity_tokens
+    capacity = config.kv_capacity_tokens or default
+    blocks = capacity // config.block_size
+    if blocks * config.block_size < profile.max_model_len + 2 * k + 1:
+        raise ValueError(
+            f"KV capacity of {capacity} tokens cannot hold one sequence of max_model_len {profile.max_model_len}"
+        )
+    if config.max_num_batched_tokens < 1 + k:
+        raise ValueError("max_num_batched_tokens must fit one decode step with its draft tokens")
+    return blocks
+
+
 class Engine:
     def __init__(self, profile: Profile, mode: Mode, config: EngineConfig | None = None, seed: int = 0) -> None:
         self.profile = profile
         self.mode = mode
         self.config = config = config or EngineConfig()
         spec = profile.spec
-        self.k = (config.num_speculative_tokens or spec.num_speculative_tokens) if self.speculative else 0
+        self.k = speculative_tokens(profile, mode, config)
         self.acceptance_mean = spec.acceptance_mean if config.acceptance_mean is None else config.acceptance_mean
         self.acceptance_concentration = (
             spec.acceptance_concentration
             if config.acceptance_concentration is None
             else config.acceptance_concentration
         )
-        capacity = config.kv_capacity_tokens or (
-            spec.kv_capacity_tokens if self.speculative else profile.kv_capacity_tokens
-        )
-        self.total_blocks = capacity // config.block_size
-        # As vLLM refuses to start when one max-length sequence cannot fit, so does the model:
-        # it guarantees a lone request can always run, so the engine never stalls.
-        if self.total_blocks * config.block_size < profile.max_model_len + 2 * self.k + 1:
-            raise ValueError(
-                f"KV capacity of {capacity} tokens cannot hold one sequence of max_model_len {profile.max_model_len}"
-            )
-        if config.max_num_batched_tokens < 1 + self.k:
-            raise ValueError("max_num_batched_tokens must fit one decode step with its draft tokens")
+        self.total_blocks = kv_blocks(profile, mode, config)
         self.free_blocks = self.total_blocks
         self.now = 0.0
         self.counters = EngineCounters(accepted_per_pos=[0] * self.k)
