@@ -12,7 +12,7 @@ from enum import StrEnum
 from http import HTTPStatus
 from typing import Any
 
-from workers.sim.text import chat_prompt_tokens, completion_prompt_tokens
+from workers.tokens import chat_prompt_tokens, completion_prompt_tokens
 
 
 class Endpoint(StrEnum):

@@ -1,0 +1,36 @@
+"""A routing decision, and the interface every policy implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from policies.features import RequestFeatures
+from workers.snapshot import ReplicaState, Snapshot
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: ReplicaState
+    reason: str
+    """Short and machine-readable: what made the policy choose this replica."""
+    predicted_ttft_ms: float | None = None
+    predicted_tpot_ms: float | None = None
+
+
+class Policy(Protocol):
+    """A pure function of the request, the fleet snapshot and the policy's own parameters."""
+
+    @property
+    def name(self) -> str: ...
+
+    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Decision | None:
+        """The replica to use, or None when no healthy replica can take the request."""
+        ...
+
+
+def least_loaded(replicas: tuple[ReplicaState, ...]) -> ReplicaState | None:
+    """Fewest requests in flight from this gateway, then the lightest scraped load, then by name."""
+    if not replicas:
+        return None
+    return min(replicas, key=lambda r: (r.in_flight, r.load, r.name))

@@ -1,0 +1,26 @@
+"""What a policy knows about the request it routes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.snapshot import Pool
+
+
+@dataclass(frozen=True)
+class RequestFeatures:
+    model: str
+    stream: bool
+    prompt_tokens: int
+    """Estimated from the body's text (about four bytes a token) or counted from token ids."""
+    max_tokens: int | None
+    """The request's `max_tokens` / `max_completion_tokens`, if it set one."""
+    expected_output_tokens: int | None
+    """The client's hint (`x-expected-output-tokens`), if it gave one."""
+    slo_ttft_ms: float | None
+    slo_tpot_ms: float | None
+    forced_pool: Pool | None
+    """`x-route-pool`, if the client asked for a pool."""
+    priority: int
+    sequence: int
+    """The gateway's running request count: lets stateless policies rotate."""

@@ -1,0 +1,62 @@
+"""Policies by name, built from declarative parameters, and the routing plan that runs them.
+
+A plan is immutable: the gateway swaps a new one in with one assignment, so a request is always
+routed by exactly one complete plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from policies.baselines import Forced, LeastLoaded, PoolOnly, RoundRobin, Threshold
+from policies.decision import Decision, Policy
+from policies.features import RequestFeatures
+from policies.latency_model import LatencyModel
+from workers.snapshot import Pool, Snapshot
+
+
+class PolicyConfigError(ValueError):
+    """A policy name or parameter that cannot be used; the message names it."""
+
+
+def _threshold(model: LatencyModel, params: Mapping[str, object]) -> Policy:
+    value = params.get("max_load", 8)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise PolicyConfigError(f"policy threshold: max_load must be a positive number, got {value!r}")
+    return Threshold(model, float(value))
+
+
+_BUILDERS: Mapping[str, tuple[frozenset[str], Callable[[LatencyModel, Mapping[str, object]], Policy]]] = {
+    "round-robin": (frozenset(), lambda m, _: RoundRobin(m)),
+    "least-loaded": (frozenset(), lambda m, _: LeastLoaded(m)),
+    "speculative-only": (frozenset(), lambda m, _: PoolOnly(m, Pool.SPECULATIVE)),
+    "plain-only": (frozenset(), lambda m, _: PoolOnly(m, Pool.PLAIN)),
+    "threshold": (frozenset({"max_load"}), _threshold),
+}
+
+POLICY_NAMES = tuple(_BUILDERS)
+
+
+def build_policy(name: str, params: Mapping[str, object], model: LatencyModel) -> Policy:
+    try:
+        allowed, build = _BUILDERS[name]
+    except KeyError:
+        raise PolicyConfigError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}") from None
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise PolicyConfigError(f"policy {name}: unknown parameter(s) {', '.join(unknown)}")
+    return build(model, params)
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    policy: Policy
+    model: LatencyModel
+    allow_pool_override: bool = True
+    version: str = "0"
+
+    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Decision | None:
+        if features.forced_pool is not None and self.allow_pool_override:
+            return Forced(self.model).decide(features, snapshot)
+        return self.policy.decide(features, snapshot)

@@ -1,0 +1,169 @@
+"""The live state of every replica: scraped load, the gateway's own accounting, and health.
+
+All of it is mutated on the gateway's event loop only (no locks needed); a policy never sees it
+directly, only the frozen `Snapshot` that `Fleet.snapshot()` builds.
+
+Health: a replica starts down and comes up on its first good scrape. It is ejected when a
+request cannot connect to it, or after `eject_after` consecutive failures of any kind (scrapes
+that fail, upstream 5xx); the scraper keeps polling an ejected replica and re-admits it on the
+next good scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+
+from workers.acceptance import SpecCounters, acceptance
+from workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
+from workers.snapshot import Pool, ReplicaState, Snapshot
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    scrape_interval_s: float = 0.25
+    scrape_timeout_s: float = 1.0
+    stale_after_s: float = 2.0
+    """Scraped load older than this is ignored; the gateway's own counts remain."""
+    eject_after: int = 3
+    smoothing: float = 0.2
+    """Weight of the newest observation in the smoothed TTFT and TPOT."""
+
+
+def _ewma(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+class Replica:
+    def __init__(self, name: str, url: str, pool: Pool, settings: FleetSettings) -> None:
+        self.name = name
+        self.url = url.rstrip("/")
+        self.pool = pool
+        self.settings = settings
+        self.healthy = False
+        self.in_flight = 0
+        self.prefilling = 0
+        self.dispatched = 0
+        self.failures = 0
+        self.load: VllmLoad | None = None
+        self.scraped_at: float | None = None
+        self.tokens_per_step: float | None = None
+        self.observed_ttft_s: float | None = None
+        self.observed_tpot_s: float | None = None
+        self._dispatched_at_scrape = 0
+        self._last_spec: SpecCounters | None = None
+
+    # --- the gateway's own accounting ---------------------------------------------------------
+
+    def dispatched_one(self) -> None:
+        self.dispatched += 1
+        self.in_flight += 1
+        self.prefilling += 1
+
+    def first_byte(self) -> None:
+        self.prefilling -= 1
+
+    def finished(self, *, got_first_byte: bool) -> None:
+        self.in_flight -= 1
+        if not got_first_byte:
+            self.prefilling -= 1
+
+    def observe(self, ttft_s: float | None, tpot_s: float | None) -> None:
+        w = self.settings.smoothing
+        if ttft_s is not None:
+            self.observed_ttft_s = _ewma(self.observed_ttft_s, ttft_s, w)
+        if tpot_s is not None:
+            self.observed_tpot_s = _ewma(self.observed_tpot_s, tpot_s, w)
+
+    # --- health -------------------------------------------------------------------------------
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+    def failed(self, reason: str, *, eject: bool = False) -> None:
+        self.failures += 1
+        if self.healthy and (eject or self.failures >= self.settings.eject_after):
+            _log.warning("ejecting replica %s (%s): %s", self.name, self.url, reason)
+            self.healthy = False
+
+    def scraped(self, load: VllmLoad, now: float, dispatched_at_send: int) -> None:
+        if not self.healthy:
+            _log.info("replica %s (%s) is up", self.name, self.url)
+        self.healthy = True
+        self.failures = 0
+        self.load = load
+        self.scraped_at = now
+        self._dispatched_at_scrape = dispatched_at_send
+        if load.spec is not None:
+            if self._last_spec is not None:
+                est = acceptance(load.spec - self._last_spec)
+                if est is not None:
+                    self.tokens_per_step = est.mean_tokens_per_step
+            self._last_spec = load.spec
+
+    def state(self, now: float) -> ReplicaState:
+        load = self.load
+        age = (now - self.scraped_at) if self.scraped_at is not None else None
+        fresh = load is not None and age is not None and age <= self.settings.stale_after_s
+        return ReplicaState(
+            name=self.name,
+            url=self.url,
+            pool=self.pool,
+            healthy=self.healthy,
+            in_flight=self.in_flight,
+            prefilling=self.prefilling,
+            dispatched_since_scrape=self.dispatched - self._dispatched_at_scrape,
+            running=load.running if fresh and load else None,
+            waiting=load.waiting if fresh and load else None,
+            kv_usage=load.kv_usage if fresh and load else None,
+            tokens_per_step=self.tokens_per_step,
+            scrape_age_s=age,
+            observed_ttft_s=self.observed_ttft_s,
+            observed_tpot_s=self.observed_tpot_s,
+        )
+
+
+class Fleet:
+    """Every replica of both pools, by name."""
+
+    def __init__(self, pools: dict[Pool, list[str]], settings: FleetSettings) -> None:
+        self.settings = settings
+        self.replicas: dict[str, Replica] = {}
+        prefix = {Pool.SPECULATIVE: "spec", Pool.PLAIN: "plain"}
+        for pool, urls in pools.items():
+            for i, url in enumerate(urls):
+                name = f"{prefix[pool]}-{i}"
+                self.replicas[name] = Replica(name, url, pool, settings)
+
+    def snapshot(self, now: float) -> Snapshot:
+        return Snapshot(tuple(r.state(now) for r in self.replicas.values()))
+
+    def any_healthy(self) -> bool:
+        return any(r.healthy for r in self.replicas.values())
+
+    async def scrape_once(self, session: aiohttp.ClientSession, replica: Replica) -> None:
+        loop = asyncio.get_running_loop()
+        dispatched = replica.dispatched
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
+            async with session.get(f"{replica.url}/metrics", timeout=timeout) as response:
+                if response.status != 200:
+                    raise MetricsFormatError(f"/metrics answered {response.status}")
+                text = await response.text()
+            load = parse_vllm_metrics(text)
+        except (aiohttp.ClientError, TimeoutError, MetricsFormatError, UnicodeDecodeError) as exc:
+            replica.failed(f"scrape failed: {exc!r}")
+            return
+        replica.scraped(load, loop.time(), dispatched)
+
+    async def scrape_forever(self, session: aiohttp.ClientSession, replica: Replica) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await self.scrape_once(session, replica)
+            await asyncio.sleep(max(self.settings.scrape_interval_s - (loop.time() - started), 0.0))

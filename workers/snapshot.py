@@ -1,0 +1,60 @@
+"""The frozen view of the fleet that a policy decides on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Pool(StrEnum):
+    SPECULATIVE = "speculative"
+    PLAIN = "plain"
+
+    @property
+    def other(self) -> Pool:
+        return Pool.PLAIN if self is Pool.SPECULATIVE else Pool.SPECULATIVE
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One replica as the gateway sees it at decision time."""
+
+    name: str
+    """Stable short name (`spec-0`, `plain-1`), used in headers and metric labels."""
+    url: str
+    pool: Pool
+    healthy: bool
+    in_flight: int
+    """Requests the gateway has sent there and not seen finish: fresher than any scrape."""
+    prefilling: int
+    """Of those, requests that have not produced their first byte yet."""
+    dispatched_since_scrape: int
+    """Requests sent there since the scrape the load figures below come from."""
+    running: float | None
+    """`vllm:num_requests_running` at the last scrape; None before the first or when stale."""
+    waiting: float | None
+    kv_usage: float | None
+    tokens_per_step: float | None
+    """Mean tokens per speculative step over the last scrape interval that saw drafts."""
+    scrape_age_s: float | None
+    observed_ttft_s: float | None
+    """Smoothed TTFT the gateway observed on this replica."""
+    observed_tpot_s: float | None
+
+    @property
+    def load(self) -> float:
+        """Requests on the replica: the scraped queue plus what was sent since, or our own count."""
+        if self.running is None or self.waiting is None:
+            return float(self.in_flight)
+        return max(self.running + self.waiting + self.dispatched_since_scrape, float(self.in_flight))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    replicas: tuple[ReplicaState, ...]
+
+    def healthy(self, pool: Pool | None = None) -> tuple[ReplicaState, ...]:
+        return tuple(r for r in self.replicas if r.healthy and (pool is None or r.pool is pool))
+
+    def without(self, names: frozenset[str]) -> Snapshot:
+        return Snapshot(tuple(r for r in self.replicas if r.name not in names))
