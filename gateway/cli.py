@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 from workers.sim.engine import EngineConfig, Mode, kv_blocks
@@ -125,11 +127,81 @@ def _run_until_signalled(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     runner(guarded())
 
 
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the gateway",
+        description="Route OpenAI requests across the speculative and plain pools. Without --config, "
+        "start the embedded default: two simulated replicas per pool.",
+    )
+    p.add_argument("--config", type=Path, help="gateway settings (TOML)")
+    p.add_argument("--host", help="listen address (default: the config's, or 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default: the config's, or 8000; 0 picks one)")
+    p.add_argument("--policy", help="routing policy, overriding the config's")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help="embedded default: the replicas' profile")
+    p.add_argument("--time-scale", type=_positive_float, default=1.0, help="embedded default: replica clock speed")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from gateway.app import routing_plan, serve
+    from gateway.config import ConfigError, GatewaySettings, load_settings
+    from gateway.embedded import embedded_pools
+    from policies.registry import POLICY_NAMES
+
+    def adjust(settings: GatewaySettings) -> GatewaySettings:
+        changes: dict[str, Any] = {}
+        if args.host is not None:
+            changes["host"] = args.host
+        if args.port is not None:
+            changes["port"] = args.port
+        if args.policy is not None:
+            changes["policy"] = dataclasses.replace(settings.policy, name=args.policy, params={})
+        settings = dataclasses.replace(settings, **changes)
+        routing_plan(settings)  # a bad policy name or parameter fails here, before anything starts
+        return settings
+
+    def ready(settings: GatewaySettings, url: str) -> None:
+        print(f"specgate: gateway listening on {url}, policy {settings.policy.name}", flush=True)
+        for pool, urls in settings.pools.items():
+            print(f"  {pool.value}: {', '.join(urls) or '-'}", flush=True)
+        print(
+            f"try: curl {url}/v1/chat/completions -H 'content-type: application/json' -H 'x-slo-ttft-ms: 500' "
+            f"""-d '{{"model": "{settings.models[0]}", "messages": [{{"role": "user", "content": "Hello!"}}], """
+            """"max_tokens": 32}' -i""",
+            flush=True,
+        )
+
+    try:
+        get_profile(args.profile)
+        if args.policy is not None and args.policy not in POLICY_NAMES:
+            raise ConfigError(f"unknown policy {args.policy!r}; known: {', '.join(POLICY_NAMES)}")
+        configured = adjust(load_settings(args.config)) if args.config is not None else None
+    except (ConfigError, KeyError, ValueError) as exc:
+        print(f"specgate serve: {exc.args[0]}", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        if configured is not None:
+            await serve(configured, on_ready=lambda url: ready(configured, url))
+            return
+        port = 8000 if args.port is None else args.port
+        async with embedded_pools(
+            host=args.host or "127.0.0.1", port=port, profile=args.profile, time_scale=args.time_scale
+        ) as embedded:
+            settings = adjust(embedded)
+            await serve(settings, on_ready=lambda url: ready(settings, url))
+
+    _run_until_signalled(run)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specgate", description="SLA-aware gateway for speculative and plain vLLM pools"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
     _add_sim(sub)
     return parser
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import re
+import asyncio
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-READY = re.compile(r"listening on (http://\S+)")
+from workers import launch
 
 
 @dataclass
@@ -48,36 +46,19 @@ class SimProcess:
             time.sleep(0.05)
 
 
-def start_sim(log: Path, *args: str, timeout: float = 30.0) -> SimProcess:
+def start_sim(log: Path, *args: str) -> SimProcess:
     """Start `specgate sim` on a free port and wait for its ready line."""
-    out = log.open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "sim", "--port", "0", *args],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    out.close()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = READY.search(log.read_text(errors="replace"))
-        if match:
-            return SimProcess(match.group(1), proc, log)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    stop_process(proc)
-    raise RuntimeError(f"simulated replica did not start:\n{log.read_text(errors='replace')}")
+    proc = launch.spawn(launch.sim_argv(*args), log)
+    try:
+        url = asyncio.run(launch.wait_ready(proc, log))
+    except launch.LaunchError:
+        stop_process(proc)
+        raise
+    return SimProcess(url, proc, log)
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    asyncio.run(launch.terminate(proc))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -143,11 +144,17 @@ class Fleet:
     def snapshot(self, now: float) -> Snapshot:
         return Snapshot(tuple(r.state(now) for r in self.replicas.values()))
 
+    @staticmethod
+    def scrape_age(replica: Replica) -> float:
+        """Seconds since the replica's last good scrape (NaN before the first)."""
+        if replica.scraped_at is None:
+            return float("nan")
+        return time.monotonic() - replica.scraped_at
+
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.replicas.values())
 
     async def scrape_once(self, session: aiohttp.ClientSession, replica: Replica) -> None:
-        loop = asyncio.get_running_loop()
         dispatched = replica.dispatched
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
@@ -159,7 +166,7 @@ class Fleet:
         except (aiohttp.ClientError, TimeoutError, MetricsFormatError, UnicodeDecodeError) as exc:
             replica.failed(f"scrape failed: {exc!r}")
             return
-        replica.scraped(load, loop.time(), dispatched)
+        replica.scraped(load, time.monotonic(), dispatched)
 
     async def scrape_forever(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         loop = asyncio.get_running_loop()

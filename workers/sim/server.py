@@ -19,6 +19,7 @@ from http import HTTPStatus
 import orjson
 from aiohttp import web
 
+from workers.http import serve_until_cancelled
 from workers.sim import responses
 from workers.sim.metrics import CONTENT_TYPE
 from workers.sim.protocol import Endpoint, GenerationRequest, SimRequestError, parse_request
@@ -169,18 +170,5 @@ def make_app(settings: SimSettings) -> web.Application:
 
 
 async def serve(settings: SimSettings, on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve until cancelled; `on_ready` gets the base URL once the socket listens.
-
-    A client that disconnects cancels its handler, which aborts its request in the engine.
-    """
-    runner = web.AppRunner(make_app(settings), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        if on_ready is not None:
-            on_ready(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
+    """Serve until cancelled; a client that disconnects aborts its request in the engine."""
+    await serve_until_cancelled(make_app(settings), settings.host, settings.port, on_ready)

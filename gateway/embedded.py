@@ -1,0 +1,37 @@
+"""The embedded default: simulated speculative and plain pools started by the gateway itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from gateway.config import GatewaySettings
+from workers import launch
+from workers.sim.profiles import DEFAULT_PROFILE, get_profile
+from workers.snapshot import Pool
+
+REPLICAS_PER_POOL = 2
+
+
+@contextlib.asynccontextmanager
+async def embedded_pools(
+    *, host: str, port: int, profile: str = DEFAULT_PROFILE, time_scale: float = 1.0
+) -> AsyncIterator[GatewaySettings]:
+    """Start two simulated replicas per pool; yield gateway settings that route to them."""
+    model = get_profile(profile).model
+    with tempfile.TemporaryDirectory(prefix="specgate-embedded-") as logs:
+        procs = []
+        try:
+            for pool in Pool:
+                for i in range(REPLICAS_PER_POOL):
+                    args = ("--mode", pool.value, "--profile", profile, "--time-scale", f"{time_scale:g}")
+                    log = Path(logs) / f"{pool.value}-{i}.log"
+                    procs.append((pool, log, launch.spawn(launch.sim_argv(*args, "--seed", str(i)), log)))
+            urls = await asyncio.gather(*(launch.wait_ready(proc, log) for _, log, proc in procs))
+            pools = {pool: tuple(url for (p, _, _), url in zip(procs, urls, strict=True) if p is pool) for pool in Pool}
+            yield GatewaySettings(models=(model,), pools=pools, host=host, port=port)
+        finally:
+            await asyncio.gather(*(launch.terminate(proc) for _, _, proc in procs))

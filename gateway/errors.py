@@ -1,0 +1,110 @@
+"""The gateway's own errors, rendered in the OpenAI error shape by one middleware.
+
+    GatewayError                       {"error": {"message", "type", "param", "code"}}
+     ├── BadRequest            400     invalid_request_error
+     │    ├── BadHeader        400     a routing header with a bad value (param: the header)
+     │    └── BadBody          400     a body that is not JSON, or a field of the wrong type
+     ├── ModelNotFound         404     model_not_found
+     ├── BodyTooLarge          413     body_too_large
+     ├── NoHealthyReplica      503     no_healthy_replica
+     ├── UpstreamUnavailable   502     every replica tried failed before answering
+     └── UpstreamTimeout       504     no first byte within the first-byte timeout
+
+Errors a replica returns are not these: they pass through unchanged, status and body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import orjson
+from aiohttp import web
+
+_log = logging.getLogger(__name__)
+
+
+class GatewayError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str | None] = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class BadHeader(BadRequest):
+    code = "invalid_header"
+
+
+class BadBody(BadRequest):
+    code = "invalid_body"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class BodyTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "body_too_large"
+
+
+class NoHealthyReplica(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "no_healthy_replica"
+
+
+class UpstreamUnavailable(GatewayError):
+    status = 502
+    type = "server_error"
+    code = "upstream_unavailable"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    type = "server_error"
+    code = "upstream_timeout"
+
+
+def error_response(err: GatewayError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=err.status, body=orjson.dumps(err.body()), content_type="application/json", headers=headers
+    )
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves in the OpenAI shape: ours, aiohttp's own (404, 405) and bugs alike."""
+    try:
+        return await handler(request)
+    except GatewayError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        body = {"error": {"message": exc.reason, "type": kind, "param": None, "code": None}}
+        return web.Response(status=exc.status, body=orjson.dumps(body), content_type="application/json")
+    except Exception:
+        _log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(GatewayError("internal gateway error"))

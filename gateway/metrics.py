@@ -1,0 +1,71 @@
+"""The gateway's own Prometheus metrics (prefix `specgate_`), in a registry of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from workers.pools import Fleet, Replica
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+_TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+_ERROR_BUCKETS = (-5.0, -2.0, -1.0, -0.5, -0.2, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+def _reader(replica: Replica, read: Callable[[Replica], float]) -> Callable[[], float]:
+    """A gauge callback bound to one replica, evaluated when /metrics is read."""
+    return lambda: read(replica)
+
+
+class GatewayMetrics:
+    def __init__(self, fleet: Fleet, policy_version: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "specgate_requests", "Requests answered, by pool, routing reason and HTTP status.",
+            ("pool", "reason", "status"), registry=r,
+        )  # fmt: skip
+        self.decisions = Counter(
+            "specgate_routing_decisions", "Routing decisions, by policy, pool and reason.",
+            ("policy", "pool", "reason"), registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "specgate_retries", "Requests retried on another replica before any byte reached the client.",
+            ("pool",), registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "specgate_ttft_seconds", "Observed time to first byte of streamed responses, per pool.",
+            ("pool",), buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "specgate_tpot_seconds", "Observed mean time per output token of streamed responses, per pool.",
+            ("pool",), buckets=_TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.slo = Counter(
+            "specgate_slo", "Requests with an SLO, by SLO kind (ttft, tpot) and outcome (met, missed).",
+            ("kind", "outcome"), registry=r,
+        )  # fmt: skip
+        self.ttft_error = Histogram(
+            "specgate_ttft_prediction_error_seconds", "Predicted minus observed TTFT, per pool.",
+            ("pool",), buckets=_ERROR_BUCKETS, registry=r,
+        )  # fmt: skip
+        up = Gauge("specgate_replica_up", "1 when the replica is admitted, 0 when ejected.",
+                   ("replica", "pool"), registry=r)  # fmt: skip
+        in_flight = Gauge("specgate_replica_in_flight", "Requests this gateway has in flight on the replica.",
+                          ("replica", "pool"), registry=r)  # fmt: skip
+        age = Gauge("specgate_replica_scrape_age_seconds", "Seconds since the replica's last good scrape.",
+                    ("replica", "pool"), registry=r)  # fmt: skip
+        for replica in fleet.replicas.values():
+            labels = (replica.name, replica.pool.value)
+            up.labels(*labels).set_function(_reader(replica, lambda rep: float(rep.healthy)))
+            in_flight.labels(*labels).set_function(_reader(replica, lambda rep: float(rep.in_flight)))
+            age.labels(*labels).set_function(_reader(replica, fleet.scrape_age))
+        version = Gauge("specgate_policy_info", "The routing policy in force.", ("version",), registry=r)
+        version.labels(policy_version).set(1)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

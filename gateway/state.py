@@ -1,0 +1,17 @@
+"""The typed keys under which the application keeps its shared resources."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from gateway.config import GatewaySettings
+from gateway.metrics import GatewayMetrics
+from gateway.relay import Relay
+from workers.pools import Fleet
+
+SETTINGS = web.AppKey("settings", GatewaySettings)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+FLEET = web.AppKey("fleet", Fleet)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+RELAY = web.AppKey("relay", Relay)

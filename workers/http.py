@@ -1,0 +1,36 @@
+"""Serving an aiohttp application until cancelled: shared by the gateway and the simulated replica."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from aiohttp import web
+
+
+async def serve_until_cancelled(
+    app: web.Application,
+    host: str,
+    port: int,
+    on_ready: Callable[[str], None] | None = None,
+    shutdown_timeout: float = 60.0,
+) -> None:
+    """Listen on host:port (0 picks a free port) and serve until the task is cancelled.
+
+    `on_ready` gets the base URL once the socket listens. A client that disconnects cancels its
+    handler. On the way out the server stops accepting and lets requests in flight finish for up
+    to `shutdown_timeout` seconds.
+    """
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        if on_ready is not None:
+            on_ready(
+                f"http://[{bound_host}]:{bound_port}" if ":" in bound_host else f"http://{bound_host}:{bound_port}"
+            )
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,81 @@
+"""Starting and stopping replica processes.
+
+A child is started with its output in a log file (a pipe nobody reads would fill and stall it),
+and on Linux it is told to die with its parent, so a gateway killed outright leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+_READY = re.compile(r"listening on (http://\S+)")
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            list(argv),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=_die_with_parent,
+        )
+
+
+def sim_argv(*args: str) -> list[str]:
+    """The command line of a simulated replica on a free port."""
+    return [sys.executable, "-m", "gateway.cli", "sim", "--port", "0", *args]
+
+
+def ready_url(log: Path) -> str | None:
+    """The URL a replica printed once it listened, if it has."""
+    match = _READY.search(log.read_text(errors="replace"))
+    return match.group(1) if match else None
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _not_started(log: Path) -> LaunchError:
+    return LaunchError(f"replica did not start; its log ({log}) says:\n{log.read_text(errors='replace')[-2000:]}")
+
+
+async def wait_ready(proc: subprocess.Popen[bytes], log: Path, wait_s: float = 30.0) -> str:
+    """The replica's URL once it listens; LaunchError with its log if it exits or takes too long."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if url := ready_url(log):
+            return url
+        if proc.poll() is not None:
+            break
+        await asyncio.sleep(0.05)
+    raise _not_started(log)
+
+
+async def terminate(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s` seconds; returns once the process is reaped."""
+    if proc.poll() is None:
+        proc.terminate()
+    deadline = time.monotonic() + grace_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+        await asyncio.sleep(0.05)
