@@ -162,7 +162,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         return settings
 
     def ready(settings: GatewaySettings, url: str) -> None:
-        print(f"specgate: gateway listening on {url}, policy {settings.policy.name}", flush=True)
+        print(f"specgate: gateway listening on {url} with policy {settings.policy.name}", flush=True)
         for pool, urls in settings.pools.items():
             print(f"  {pool.value}: {', '.join(urls) or '-'}", flush=True)
         print(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import time
 import urllib.request
@@ -46,19 +45,26 @@ class SimProcess:
             time.sleep(0.05)
 
 
-def start_sim(log: Path, *args: str) -> SimProcess:
-    """Start `specgate sim` on a free port and wait for its ready line."""
+def start_sim(log: Path, *args: str, wait_s: float = 30.0) -> SimProcess:
+    """Start `specgate sim` on a free port and wait for its ready line (blocking: async tests call it too)."""
     proc = launch.spawn(launch.sim_argv(*args), log)
-    try:
-        url = asyncio.run(launch.wait_ready(proc, log))
-    except launch.LaunchError:
-        stop_process(proc)
-        raise
-    return SimProcess(url, proc, log)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if url := launch.ready_url(log):
+            return SimProcess(url, proc, log)
+        time.sleep(0.05)
+    stop_process(proc)
+    raise launch.LaunchError(f"simulated replica did not start:\n{log.read_text(errors='replace')}")
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    asyncio.run(launch.terminate(proc))
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,91 @@
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.config import ConfigError, load_settings, parse_settings
+from workers.snapshot import Pool
+
+MINIMAL: dict[str, Any] = {
+    "models": {"served": ["m"]},
+    "pools": {"speculative": {"urls": ["http://a:1"]}, "plain": {"urls": ["http://b:2/", "https://c"]}},
+}
+
+
+def with_(section: str, **values: Any) -> dict[str, Any]:
+    doc = {k: dict(v) for k, v in MINIMAL.items()}
+    doc.setdefault(section, {}).update(values)
+    return doc
+
+
+def test_minimal_config_takes_defaults() -> None:
+    s = parse_settings(MINIMAL)
+    assert s.models == ("m",)
+    assert s.pools[Pool.SPECULATIVE] == ("http://a:1",)
+    assert s.pools[Pool.PLAIN] == ("http://b:2", "https://c")
+    assert s.port == 8000
+    assert s.policy.name == "least-loaded"
+    assert s.fleet.scrape_interval_s == 0.25
+    assert s.timeouts.connect_s == 2.0
+    assert not s.forward_authorization
+
+
+def test_values_convert_to_seconds() -> None:
+    doc = with_("scrape", interval_ms=100)
+    doc["timeouts"] = {"first_byte_ms": 1500, "idle_ms": 2000.5}
+    doc["slo"] = {"ttft_ms": 300}
+    s = parse_settings(doc)
+    assert s.fleet.scrape_interval_s == pytest.approx(0.1)
+    assert s.timeouts.first_byte_s == pytest.approx(1.5)
+    assert s.timeouts.idle_s == pytest.approx(2.0005)
+    assert s.slo.ttft_ms == 300.0
+    assert s.slo.tpot_ms is None
+
+
+@pytest.mark.parametrize(
+    ("doc", "key"),
+    [
+        ({**MINIMAL, "nonsense": {}}, "nonsense"),
+        (with_("server", prot=1), "server.prot"),
+        (with_("server", port="8000"), "server.port"),
+        (with_("server", port=True), "server.port"),
+        (with_("server", port=70000), "server.port"),
+        (with_("scrape", interval_ms=0), "scrape.interval_ms"),
+        (with_("timeouts", connect_ms=-1), "timeouts.connect_ms"),
+        (with_("policy", name="magic"), "policy.name"),
+        (with_("policy", profile="tpu"), "policy.profile"),
+        (with_("slo", ttft_ms="fast"), "slo.ttft_ms"),
+        ({"pools": MINIMAL["pools"]}, "models.served"),
+        ({"models": {"served": [""]}, "pools": MINIMAL["pools"]}, "models.served[0]"),
+        ({"models": {"served": ["m"]}, "pools": {}}, "pools"),
+        ({"models": {"served": ["m"]}, "pools": {"plain": {"urls": ["ftp://x"]}}}, "pools.plain.urls[0]"),
+        ({"models": {"served": ["m"]}, "pools": {"plain": {"urls": [3]}}}, "pools.plain.urls[0]"),
+        ({"models": {"served": ["m"]}, "pools": {"plain": {"url": ["http://x"]}}}, "pools.plain.url"),
+        ({"models": {"served": ["m"]}, "pools": {"plain": {"urls": "http://x"}}}, "pools.plain.urls"),
+        ({"models": "m", "pools": MINIMAL["pools"]}, "models"),
+    ],
+)
+def test_errors_name_the_key(doc: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_settings(doc)
+    assert str(exc.value).startswith(key)
+
+
+def test_load_settings_reads_toml(tmp_path: Path) -> None:
+    path = tmp_path / "specgate.toml"
+    path.write_text(
+        '[models]\nserved = ["m"]\n[pools.plain]\nurls = ["http://127.0.0.1:9"]\n'
+        '[policy]\nname = "threshold"\nparams = { max_load = 4 }\n'
+    )
+    s = load_settings(path)
+    assert s.policy.name == "threshold"
+    assert s.policy.params == {"max_load": 4}
+
+
+@pytest.mark.parametrize(("text", "message"), [("[models\n", "not valid TOML"), (None, "cannot read")])
+def test_unreadable_files(tmp_path: Path, text: str | None, message: str) -> None:
+    path = tmp_path / "specgate.toml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_settings(path)

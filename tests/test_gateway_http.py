@@ -1,0 +1,360 @@
+"""The gateway over real HTTP, in front of simulated replicas running as subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import signal
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from openai.types.chat import ChatCompletionMessageParam
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.app import make_app
+from gateway.config import GatewaySettings, PolicySettings, Timeouts
+from tests.conftest import SimProcess
+from workers import launch
+from workers.pools import FleetSettings
+from workers.snapshot import Pool
+
+pytestmark = pytest.mark.slow
+
+SimFactory = Callable[..., SimProcess]
+MODEL = "sim-model"
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Route me well."}]
+ROUTE_HEADERS = ("x-route-pool", "x-route-replica", "x-route-reason", "x-policy-version", "x-request-id")
+PREDICTION_HEADERS = ("x-predicted-ttft-ms", "x-predicted-tpot-ms")
+
+
+def sim(factory: SimFactory, mode: str, *extra: str) -> SimProcess:
+    return factory("--mode", mode, "--model", MODEL, "--time-scale", "20", *extra)
+
+
+@pytest.fixture(scope="module")
+def fleet(sim_factory: SimFactory) -> dict[Pool, list[SimProcess]]:
+    return {Pool.SPECULATIVE: [sim(sim_factory, "speculative")], Pool.PLAIN: [sim(sim_factory, "plain")]}
+
+
+def settings_for(pools: dict[Pool, list[str]], **changes: Any) -> GatewaySettings:
+    base = GatewaySettings(
+        models=(MODEL,),
+        pools={pool: tuple(urls) for pool, urls in pools.items()},
+        port=0,
+        fleet=FleetSettings(scrape_interval_s=0.05),
+    )
+    return dataclasses.replace(base, **changes)
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(settings: GatewaySettings) -> AsyncIterator[str]:
+    runner = web.AppRunner(make_app(settings), handler_cancellation=True, shutdown_timeout=1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def urls(fleet: dict[Pool, list[SimProcess]]) -> dict[Pool, list[str]]:
+    return {pool: [s.url for s in sims] for pool, sims in fleet.items()}
+
+
+@pytest.fixture
+async def gateway(fleet: dict[Pool, list[SimProcess]]) -> AsyncIterator[str]:
+    async with running_gateway(settings_for(urls(fleet))) as url:
+        yield url
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="client-key", max_retries=0, timeout=30)
+
+
+def assert_route_headers(headers: Any) -> None:
+    for name in (*ROUTE_HEADERS, *PREDICTION_HEADERS):
+        assert headers.get(name), name
+    assert headers["x-route-pool"] in ("speculative", "plain")
+    assert float(headers["x-predicted-ttft-ms"]) > 0
+
+
+async def test_chat_non_streaming(gateway: str) -> None:
+    async with client(gateway) as api:
+        raw = await api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=MESSAGES, max_tokens=20, extra_body={"ignore_eos": True},
+            extra_headers={"x-request-id": "req-42"},
+        )  # fmt: skip
+    assert_route_headers(raw.headers)
+    assert raw.headers["x-request-id"] == "req-42"
+    reply = raw.parse()
+    assert reply.id == "chatcmpl-req-42"  # the replica saw the same request id
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 20
+
+
+async def test_chat_streaming(gateway: str) -> None:
+    async with (
+        client(gateway) as api,
+        api.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=MESSAGES, max_tokens=30, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        ) as response,
+    ):  # fmt: skip
+        assert_route_headers(response.headers)
+        chunks = [chunk async for chunk in await response.parse()]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(text.split()) == 30
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 30
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions(gateway: str, stream: bool) -> None:
+    async with client(gateway) as api:
+        if stream:
+            async with api.completions.with_streaming_response.create(
+                model=MODEL, prompt="Once upon a time", max_tokens=12, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            ) as response:  # fmt: skip
+                assert_route_headers(response.headers)
+                chunks = [c async for c in await response.parse()]
+            assert chunks[-1].usage is not None
+            assert chunks[-1].usage.completion_tokens == 12
+        else:
+            raw = await api.completions.with_raw_response.create(
+                model=MODEL, prompt=[1, 2, 3, 4], max_tokens=12, extra_body={"ignore_eos": True}
+            )
+            assert_route_headers(raw.headers)
+            reply = raw.parse()
+            assert reply.usage is not None
+            assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (4, 12)
+
+
+@pytest.mark.parametrize("pool", list(Pool))
+async def test_forced_pool_is_honoured(gateway: str, pool: Pool) -> None:
+    async with client(gateway) as api:
+        for _ in range(3):
+            raw = await api.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, max_tokens=2, extra_headers={"x-route-pool": pool.value}
+            )
+            assert raw.headers["x-route-pool"] == pool.value
+            assert raw.headers["x-route-reason"] == "forced"
+
+
+async def test_policy_can_forbid_pool_override(fleet: dict[Pool, list[SimProcess]]) -> None:
+    policy = PolicySettings(name="plain-only", allow_pool_override=False)
+    async with running_gateway(settings_for(urls(fleet), policy=policy)) as url, client(url) as api:
+        raw = await api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_headers={"x-route-pool": "speculative"}
+        )
+    assert raw.headers["x-route-pool"] == "plain"
+    assert raw.headers["x-route-reason"] == "plain-only"
+
+
+async def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/v1/chat/completions", data=body, headers=headers or {}) as response,
+    ):
+        return response.status, json.loads(await response.read())
+
+
+GOOD = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "param"),
+    [
+        (b"{nope", {}, 400, None),
+        (b'{"model": "other", "messages": []}', {}, 404, "model"),
+        (b'{"model": "sim-model", "messages": [], "stream": 1}', {}, 400, "stream"),
+        (GOOD, {"x-slo-ttft-ms": "soon"}, 400, "x-slo-ttft-ms"),
+        (GOOD, {"x-slo-tpot-ms": "-1"}, 400, "x-slo-tpot-ms"),
+        (GOOD, {"x-expected-output-tokens": "lots"}, 400, "x-expected-output-tokens"),
+        (GOOD, {"x-route-pool": "fastest"}, 400, "x-route-pool"),
+        (GOOD, {"x-priority": "urgent"}, 400, "x-priority"),
+        (GOOD, {"x-request-id": "a b"}, 400, "x-request-id"),
+    ],
+)
+async def test_bad_requests_get_openai_errors(
+    gateway: str, body: bytes, headers: dict[str, str], status: int, param: str | None
+) -> None:
+    code, payload = await post(gateway, body, headers)
+    assert code == status
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert payload["error"]["param"] == param
+
+
+async def test_replica_errors_pass_through_unchanged(gateway: str, fleet: dict[Pool, list[SimProcess]]) -> None:
+    too_long = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6})
+    direct = await post(fleet[Pool.PLAIN][0].url, too_long.encode())
+    via_gateway = await post(gateway, too_long.encode(), {"x-route-pool": "plain"})
+    assert via_gateway == direct
+    assert direct[0] == 400
+
+
+async def test_body_over_the_limit_is_413(fleet: dict[Pool, list[SimProcess]]) -> None:
+    async with running_gateway(settings_for(urls(fleet), max_body_bytes=1024)) as url:
+        code, payload = await post(url, b'{"messages": [], "pad": "' + b"x" * 4096 + b'"}')
+    assert code == 413
+    assert payload["error"]["code"] == "body_too_large"
+
+
+async def test_no_healthy_replica_is_503() -> None:
+    dead = {Pool.PLAIN: ["http://127.0.0.1:9"], Pool.SPECULATIVE: []}
+    async with running_gateway(settings_for(dead)) as url:
+        code, payload = await post(url, GOOD)
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/ready") as ready:
+            assert ready.status == 503
+    assert code == 503
+    assert payload["error"]["code"] == "no_healthy_replica"
+
+
+async def test_upstream_timeout_is_504(fleet: dict[Pool, list[SimProcess]]) -> None:
+    timeouts = Timeouts(first_byte_s=0.05)
+    slow = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 500, "ignore_eos": True}).encode()
+    async with running_gateway(settings_for(urls(fleet), timeouts=timeouts)) as url:
+        code, payload = await post(url, slow)
+    assert code == 504
+    assert payload["error"]["code"] == "upstream_timeout"
+
+
+async def test_models_health_ready_metrics(gateway: str, fleet: dict[Pool, list[SimProcess]]) -> None:
+    async with client(gateway) as api:
+        await api.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=3, extra_headers={"x-slo-ttft-ms": "9999"}
+        )
+        models = await api.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{gateway}/health") as r:
+            assert r.status == 200
+        async with session.get(f"{gateway}/ready") as r:
+            assert r.status == 200
+            body = await r.json()
+            assert body["replicas"]["spec-0"]["healthy"] is True
+        async with session.get(f"{gateway}/metrics") as r:
+            text = await r.text()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    up = {labels: v for (name, labels), v in samples.items() if name == "specgate_replica_up"}
+    assert set(up.values()) == {1.0}
+    assert len(up) == 2
+    assert sum(v for (name, _), v in samples.items() if name == "specgate_requests_total") >= 1
+    assert sum(v for (name, _), v in samples.items() if name == "specgate_slo_total") >= 1
+
+
+async def test_client_abort_drops_the_replicas_running_count(sim_factory: SimFactory) -> None:
+    replica = sim(sim_factory, "plain")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    async with running_gateway(settings_for({Pool.PLAIN: [replica.url]})) as url:
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(f"{url}/v1/chat/completions", json=body)
+            assert response.status == 200
+            await response.content.readline()
+            assert replica.sample("vllm:num_requests_running") == 1
+            response.close()
+        await asyncio.to_thread(replica.wait_for, "vllm:num_requests_running", lambda v: v == 0)
+    assert replica.sample("vllm:request_success_total", finished_reason="abort") == 1
+
+
+async def test_killing_a_replica_fails_no_request_that_had_not_started_streaming(sim_factory: SimFactory) -> None:
+    victim, survivor = sim(sim_factory, "plain"), sim(sim_factory, "plain")
+    settings = settings_for({Pool.PLAIN: [victim.url, survivor.url]}, policy=PolicySettings(name="round-robin"))
+    async with running_gateway(settings) as url, client(url) as api:
+
+        async def one(i: int) -> str:
+            await asyncio.sleep(0.01 * i)
+            raw = await api.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, max_tokens=60, extra_body={"ignore_eos": True}
+            )
+            reply = raw.parse()
+            assert reply.usage is not None
+            assert reply.usage.completion_tokens == 60
+            return raw.headers["x-route-replica"]
+
+        load = [asyncio.create_task(one(i)) for i in range(60)]
+        await asyncio.to_thread(victim.wait_for, "vllm:num_requests_running", lambda v: v >= 3)
+        victim.proc.send_signal(signal.SIGKILL)
+        served_by = await asyncio.gather(*load)  # raises if any request failed
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+            metrics = await r.text()
+    assert served_by.count("plain-1") > 30  # it took over
+    # requests in flight on the victim when it died were retried on the survivor
+    assert 'specgate_retries_total{pool="plain"}' in metrics
+    retried = next(line for line in metrics.splitlines() if line.startswith('specgate_retries_total{pool="plain"}'))
+    assert float(retried.split()[-1]) >= 3
+
+
+async def _broken_replica() -> AsyncIterator[str]:
+    """A replica whose engine has died: healthy metrics, 500 on every completion (as vLLM's EngineDeadError)."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    async def fail(_: web.Request) -> web.Response:
+        body = {
+            "error": {
+                "message": "EngineCore encountered an issue.",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            }
+        }
+        return web.json_response(body, status=500)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/chat/completions", fail)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_5xx_before_any_byte_is_retried_in_the_other_pool(fleet: dict[Pool, list[SimProcess]]) -> None:
+    async with contextlib.asynccontextmanager(_broken_replica)() as broken:
+        pools = {Pool.SPECULATIVE: [broken], Pool.PLAIN: [fleet[Pool.PLAIN][0].url]}
+        async with running_gateway(settings_for(pools)) as url, client(url) as api:
+            raw = await api.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, max_tokens=4, extra_headers={"x-route-pool": "speculative"}
+            )
+            assert raw.headers["x-route-replica"] == "plain-0"
+            assert raw.headers["x-route-reason"] == "speculative-pool-down"
+            async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+                assert 'specgate_retries_total{pool="plain"} 1.0' in await r.text()
+
+
+async def test_embedded_default_answers_straight_after_start(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    proc = launch.spawn([*launch.sim_argv()[:3], "serve", "--port", "0", "--time-scale", "20"], log)
+    try:
+        url = await launch.wait_ready(proc, log, wait_s=60)
+        assert "try: curl" in log.read_text()
+        async with client(url) as api:
+            models = await api.models.list()
+            raw = await api.chat.completions.with_raw_response.create(
+                model=models.data[0].id, messages=MESSAGES, max_tokens=8
+            )
+        assert_route_headers(raw.headers)
+        assert raw.parse().choices[0].message.content
+    finally:
+        await launch.terminate(proc)
+    assert proc.returncode == 0

@@ -1,0 +1,65 @@
+import pytest
+
+from gateway.config import SloDefaults
+from gateway.errors import BadHeader
+from gateway.sla import parse_routing_headers
+from workers.snapshot import Pool
+
+DEFAULTS = SloDefaults(ttft_ms=800.0, tpot_ms=60.0)
+
+
+@pytest.mark.parametrize(
+    ("headers", "field", "expected"),
+    [
+        ({}, "slo_ttft_ms", 800.0),
+        ({}, "slo_tpot_ms", 60.0),
+        ({}, "forced_pool", None),
+        ({}, "priority", 0),
+        ({}, "expected_output_tokens", None),
+        ({"x-slo-ttft-ms": "250"}, "slo_ttft_ms", 250.0),
+        ({"x-slo-tpot-ms": "12.5"}, "slo_tpot_ms", 12.5),
+        ({"x-expected-output-tokens": " 300 "}, "expected_output_tokens", 300),
+        ({"x-route-pool": "speculative"}, "forced_pool", Pool.SPECULATIVE),
+        ({"x-route-pool": "PLAIN"}, "forced_pool", Pool.PLAIN),
+        ({"x-priority": "-3"}, "priority", -3),
+        ({"x-request-id": "abc-123.x:y_z"}, "request_id", "abc-123.x:y_z"),
+    ],
+)
+def test_valid_headers(headers: dict[str, str], field: str, expected: object) -> None:
+    assert getattr(parse_routing_headers(headers, DEFAULTS), field) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("x-slo-ttft-ms", "fast"),
+        ("x-slo-ttft-ms", "0"),
+        ("x-slo-ttft-ms", "-5"),
+        ("x-slo-ttft-ms", "nan"),
+        ("x-slo-ttft-ms", "inf"),
+        ("x-slo-ttft-ms", "1e300"),
+        ("x-slo-tpot-ms", ""),
+        ("x-expected-output-tokens", "12.5"),
+        ("x-expected-output-tokens", "0"),
+        ("x-expected-output-tokens", "99999999999"),
+        ("x-route-pool", "gpu"),
+        ("x-priority", "high"),
+        ("x-priority", "10000000000"),
+        ("x-request-id", "has space"),
+        ("x-request-id", "x" * 129),
+        ("x-request-id", ""),
+    ],
+)
+def test_bad_header_names_itself(name: str, value: str) -> None:
+    with pytest.raises(BadHeader) as exc:
+        parse_routing_headers({name: value}, DEFAULTS)
+    assert exc.value.param == name
+    assert exc.value.status == 400
+    assert name in exc.value.message
+
+
+def test_request_id_is_generated_when_absent() -> None:
+    a = parse_routing_headers({}, DEFAULTS).request_id
+    b = parse_routing_headers({}, DEFAULTS).request_id
+    assert a != b
+    assert len(a) == 32
