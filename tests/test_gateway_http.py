@@ -358,3 +358,30 @@ async def test_embedded_default_answers_straight_after_start(tmp_path: Path) -> 
     finally:
         await launch.terminate(proc)
     assert proc.returncode == 0
+
+
+async def test_sigterm_lets_streams_in_flight_finish(fleet: dict[Pool, list[SimProcess]], tmp_path: Path) -> None:
+    config = tmp_path / "specgate.toml"
+    config.write_text(
+        f'[models]\nserved = ["{MODEL}"]\n[pools.plain]\nurls = ["{fleet[Pool.PLAIN][0].url}"]\n'
+        "[server]\nshutdown_grace_s = 20\n"
+    )
+    log = tmp_path / "gateway.log"
+    proc = launch.spawn([*launch.sim_argv()[:3], "serve", "--config", str(config), "--port", "0"], log)
+    try:
+        url = await launch.wait_ready(proc, log)
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(f"{url}/v1/chat/completions", json=body)
+            first = await response.content.readline()
+            assert first.startswith(b"data: ")
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            with pytest.raises(aiohttp.ClientConnectionError):  # no longer accepting
+                async with aiohttp.ClientSession() as fresh:
+                    await fresh.get(f"{url}/health")
+            rest = await response.content.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")  # the stream in flight finished whole
+        assert proc.wait(timeout=20) == 0
+    finally:
+        await launch.terminate(proc)
