@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -17,6 +18,20 @@ _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 
 _ERROR_BUCKETS = (-5.0, -2.0, -1.0, -0.5, -0.2, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+class _Children:
+    """A labelled metric whose children are looked up once per label set, not once per request."""
+
+    def __init__(self, metric: Counter | Histogram) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Counter | Histogram] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+
 def _reader(replica: Replica, read: Callable[[Replica], float]) -> Callable[[], float]:
     """A gauge callback bound to one replica, evaluated when /metrics is read."""
     return lambda: read(replica)
@@ -25,34 +40,34 @@ def _reader(replica: Replica, read: Callable[[Replica], float]) -> Callable[[], 
 class GatewayMetrics:
     def __init__(self, fleet: Fleet, policy_version: str) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter(
+        self.requests = _Children(Counter(
             "specgate_requests", "Requests answered, by pool, routing reason and HTTP status.",
             ("pool", "reason", "status"), registry=r,
-        )  # fmt: skip
-        self.decisions = Counter(
+        ))  # fmt: skip
+        self.decisions = _Children(Counter(
             "specgate_routing_decisions", "Routing decisions, by policy, pool and reason.",
             ("policy", "pool", "reason"), registry=r,
-        )  # fmt: skip
-        self.retries = Counter(
+        ))  # fmt: skip
+        self.retries = _Children(Counter(
             "specgate_retries", "Requests retried on another replica before any byte reached the client.",
             ("pool",), registry=r,
-        )  # fmt: skip
-        self.ttft = Histogram(
+        ))  # fmt: skip
+        self.ttft = _Children(Histogram(
             "specgate_ttft_seconds", "Observed time to first byte of streamed responses, per pool.",
             ("pool",), buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.tpot = Histogram(
+        ))  # fmt: skip
+        self.tpot = _Children(Histogram(
             "specgate_tpot_seconds", "Observed mean time per output token of streamed responses, per pool.",
             ("pool",), buckets=_TPOT_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.slo = Counter(
+        ))  # fmt: skip
+        self.slo = _Children(Counter(
             "specgate_slo", "Requests with an SLO, by SLO kind (ttft, tpot) and outcome (met, missed).",
             ("kind", "outcome"), registry=r,
-        )  # fmt: skip
-        self.ttft_error = Histogram(
+        ))  # fmt: skip
+        self.ttft_error = _Children(Histogram(
             "specgate_ttft_prediction_error_seconds", "Predicted minus observed TTFT, per pool.",
             ("pool",), buckets=_ERROR_BUCKETS, registry=r,
-        )  # fmt: skip
+        ))  # fmt: skip
         up = Gauge("specgate_replica_up", "1 when the replica is admitted, 0 when ejected.",
                    ("replica", "pool"), registry=r)  # fmt: skip
         in_flight = Gauge("specgate_replica_in_flight", "Requests this gateway has in flight on the replica.",

@@ -95,7 +95,8 @@ class Relay:
         tried: set[str] = set()
         failure: GatewayError | None = None
         for attempt in range(2):
-            decision = plan.decide(features, self.fleet.snapshot(time.monotonic()).without(frozenset(tried)))
+            snapshot = self.fleet.snapshot(time.monotonic())
+            decision = plan.decide(features, snapshot.without(frozenset(tried)) if tried else snapshot)
             if decision is None:
                 break
             replica = self.fleet.replicas[decision.replica.name]
@@ -222,33 +223,41 @@ class Relay:
         response = web.StreamResponse(status=upstream.status, headers=_response_headers(upstream, route))
         await response.prepare(request)
         outcome.streamed = True
-        idle = self.settings.timeouts.idle_s
-        first_at = last_at = 0.0
+        first_at = 0.0
         events = 0
-        tail = b""
+        previous = last = b""
         content = upstream.content
+        watchdog = _IdleWatchdog(self.settings.timeouts.idle_s)
         try:
             while True:
-                async with asyncio.timeout(idle):
-                    chunk = await content.readany()
+                chunk = await content.readany()
                 if not chunk:
                     break
-                last_at = time.monotonic()
+                watchdog.last = time.monotonic()
                 if not first_at:
-                    first_at = last_at
+                    first_at = watchdog.last
                 events += chunk.count(b"data: ")
-                tail = (tail + chunk)[-8192:]
+                previous, last = last, chunk
                 await response.write(chunk)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except asyncio.CancelledError:
+            if not watchdog.fired:
+                raise
+            watchdog.absorb()
+            replica.failed(f"stream silent for {self.settings.timeouts.idle_s:g} s")
+            outcome.status = 504
+            await response.write(_MID_STREAM_ERROR)
+        except aiohttp.ClientError as exc:
             replica.failed(f"stream broke: {exc!r}")
             outcome.status = 502
             await response.write(_MID_STREAM_ERROR)
+        finally:
+            watchdog.stop()
         await response.write_eof()
         if first_at:
             outcome.ttft_s = first_at - started
-            tokens = _usage_tokens(tail) or max(events - 2, 0)
+            tokens = _usage_tokens(previous + last) or max(events - 2, 0)
             if tokens > 1:
-                outcome.tpot_s = (last_at - first_at) / (tokens - 1)
+                outcome.tpot_s = (watchdog.last - first_at) / (tokens - 1)
         return response
 
     def _account(self, replica: Replica, decision: Decision, headers: RoutingHeaders, outcome: Outcome) -> None:
@@ -271,6 +280,38 @@ class Relay:
         if headers.slo_tpot_ms is not None and outcome.tpot_s is not None:
             met = outcome.tpot_s * 1e3 <= headers.slo_tpot_ms
             self.metrics.slo.labels("tpot", "met" if met else "missed").inc()
+
+
+class _IdleWatchdog:
+    """Cancels the relaying task when the upstream stays silent for `idle_s` seconds.
+
+    One timer per stream, re-armed only when it fires, instead of a timeout armed per chunk:
+    the relay loop just records when the last chunk came.
+    """
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.last = time.monotonic()
+        self.fired = False
+        self._task = asyncio.current_task()
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(idle_s, self._check)
+
+    def _check(self) -> None:
+        silent = time.monotonic() - self.last
+        if silent < self.idle_s:
+            self._timer = self._loop.call_later(self.idle_s - silent, self._check)
+        elif self._task is not None:
+            self.fired = True
+            self._task.cancel()
+
+    def absorb(self) -> None:
+        """The cancellation was ours: the task goes on (to tell the client)."""
+        if self._task is not None:
+            self._task.uncancel()
+
+    def stop(self) -> None:
+        self._timer.cancel()
 
 
 def _response_headers(upstream: aiohttp.ClientResponse, route: dict[str, str]) -> CIMultiDict[str]:

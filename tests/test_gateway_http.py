@@ -385,3 +385,32 @@ async def test_sigterm_lets_streams_in_flight_finish(fleet: dict[Pool, list[SimP
         assert proc.wait(timeout=20) == 0
     finally:
         await launch.terminate(proc)
+
+
+async def read_stream(url: str, body: dict[str, Any], during: Callable[[], None] | None = None) -> bytes:
+    async with aiohttp.ClientSession() as session, session.post(f"{url}/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        first = await r.content.readline()
+        if during is not None:
+            during()
+        return first + await r.content.read()
+
+
+async def test_silent_upstream_ends_the_stream_with_an_error_event(sim_factory: SimFactory) -> None:
+    replica = sim_factory("--mode", "plain", "--model", MODEL)  # real time: ~38 ms between tokens
+    settings = settings_for({Pool.PLAIN: [replica.url]}, timeouts=Timeouts(idle_s=0.01))
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50, "ignore_eos": True, "stream": True}
+    async with running_gateway(settings) as url:
+        text = await read_stream(url, body)
+    assert text.rstrip().endswith(b'"code": "upstream_failed"}}')
+    assert b"[DONE]" not in text
+    await asyncio.to_thread(replica.wait_for, "vllm:num_requests_running", lambda v: v == 0)
+
+
+async def test_replica_dying_mid_stream_ends_the_stream_with_an_error_event(sim_factory: SimFactory) -> None:
+    replica = sim(sim_factory, "plain")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    async with running_gateway(settings_for({Pool.PLAIN: [replica.url]})) as url:
+        text = await read_stream(url, body, during=lambda: replica.proc.send_signal(signal.SIGKILL))
+    assert text.startswith(b"data: {")
+    assert text.rstrip().endswith(b'"code": "upstream_failed"}}')

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 
@@ -58,10 +59,15 @@ class StepTable:
         if self.long_context <= self.short_context:
             raise ValueError("long_context must exceed short_context")
 
+    @cached_property
+    def _rows(self) -> tuple[Curve, Curve]:
+        sizes = tuple(float(b) for b in self.batch_sizes)
+        return Curve(sizes, self.short_ms), Curve(sizes, self.long_ms)
+
     def at(self, batch: float, context: float) -> float:
         """Interpolate linearly in batch size and in context; never below half the short-context time."""
-        short = Curve(tuple(float(b) for b in self.batch_sizes), self.short_ms)(batch)
-        long = Curve(tuple(float(b) for b in self.batch_sizes), self.long_ms)(batch)
+        short_row, long_row = self._rows
+        short, long = short_row(batch), long_row(batch)
         frac = (context - self.short_context) / (self.long_context - self.short_context)
         return max(short + (long - short) * frac, 0.5 * short)
 
