@@ -65,10 +65,10 @@ class PathFigures:
     ttfc_p99_ms_256: float = 0.0
     ttfc_p50_ms_8: float = 0.0
     ttfc_p99_ms_8: float = 0.0
-    gateway_cpu_us_per_request: float | None = None
-    gateway_cpu_us_per_chunk: float | None = None
-    gateway_rss_mb_idle: float | None = None
-    gateway_rss_mb_256_streams: float | None = None
+    router_cpu_us_per_request: float | None = None
+    router_cpu_us_per_chunk: float | None = None
+    router_rss_mb_idle: float | None = None
+    router_rss_mb_256_streams: float | None = None
 
 
 async def closed_loop(session: aiohttp.ClientSession, url: str, workers: int, seconds: float) -> int:
@@ -139,31 +139,31 @@ async def streams(
     return chunks, ttfc
 
 
-async def measure(base: str, seconds: float, gateway_pid: int | None) -> PathFigures:
+async def measure(base: str, seconds: float, router_pid: int | None) -> PathFigures:
     url = f"{base}/v1/chat/completions"
     fig = PathFigures()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         await closed_loop(session, url, 8, 0.5)  # warm-up: connections, caches
-        if gateway_pid:
-            fig.gateway_rss_mb_idle = rss_mb(gateway_pid)
-        cpu0 = cpu_seconds(gateway_pid) if gateway_pid else 0.0
+        if router_pid:
+            fig.router_rss_mb_idle = rss_mb(router_pid)
+        cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
         done = await closed_loop(session, url, 32, seconds)
         fig.rps_closed_loop = done / seconds
-        if gateway_pid and done:
-            fig.gateway_cpu_us_per_request = (cpu_seconds(gateway_pid) - cpu0) / done * 1e6
+        if router_pid and done:
+            fig.router_cpu_us_per_request = (cpu_seconds(router_pid) - cpu0) / done * 1e6
         latencies, fig.errors_at_rate = await fixed_rate(session, url, 500, seconds)
         fig.p50_ms_at_rate, fig.p99_ms_at_rate = pct(latencies, 0.5), pct(latencies, 0.99)
-        cpu0 = cpu_seconds(gateway_pid) if gateway_pid else 0.0
+        cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
         chunks, _ = await streams(session, url, 16, seconds, 0)
         fig.chunks_per_s = chunks / seconds
-        if gateway_pid and chunks:
-            fig.gateway_cpu_us_per_chunk = (cpu_seconds(gateway_pid) - cpu0) / chunks * 1e6
+        if router_pid and chunks:
+            fig.router_cpu_us_per_chunk = (cpu_seconds(router_pid) - cpu0) / chunks * 1e6
 
         async def sample_rss() -> None:
             await asyncio.sleep(seconds / 2)
-            if gateway_pid:
-                fig.gateway_rss_mb_256_streams = rss_mb(gateway_pid)
+            if router_pid:
+                fig.router_rss_mb_256_streams = rss_mb(router_pid)
 
         (_, ttfc), _ = await asyncio.gather(streams(session, url, 256, seconds, 10), sample_rss())
         fig.ttfc_p50_ms_256, fig.ttfc_p99_ms_256 = pct(ttfc, 0.5), pct(ttfc, 0.99)
@@ -195,8 +195,18 @@ async def run(seconds: float, workdir: Path) -> dict[str, PathFigures]:
         procs.append(gateway)
         gateway_url = await launch.wait_ready(gateway, gateway_log)
         _pin(gateway.pid, last_core)
+        bare_log = workdir / "bare.log"
+        bare = launch.spawn([sys.executable, "-m", "bench.bare_relay", "--upstream", upstream_url], bare_log)
+        procs.append(bare)
+        bare_url = await launch.wait_ready(bare, bare_log)
+        _pin(bare.pid, last_core)
         results = {}
-        for name, base, pid in (("direct", upstream_url, None), ("gateway", gateway_url, gateway.pid)):
+        paths = (
+            ("direct", upstream_url, None),
+            ("bare relay", bare_url, bare.pid),
+            ("gateway", gateway_url, gateway.pid),
+        )
+        for name, base, pid in paths:
             print(f"measuring {name} ...", file=sys.stderr, flush=True)
             results[name] = await measure(base, seconds, pid)
         return results
@@ -204,48 +214,57 @@ async def run(seconds: float, workdir: Path) -> dict[str, PathFigures]:
         await asyncio.gather(*(launch.terminate(p) for p in procs))
 
 
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
 def report(results: dict[str, PathFigures], seconds: float, command: str) -> str:
-    d, g = results["direct"], results["gateway"]
-    cpu = g.gateway_cpu_us_per_request
-    rows = [
-        ("non-stream req/s, 32 connections (Python client-bound)", f"{d.rps_closed_loop:,.0f}",
-         f"{g.rps_closed_loop:,.0f}", f"{g.rps_closed_loop / d.rps_closed_loop:.2f}x"),
-        ("gateway CPU per non-stream request", "-", f"{cpu:.0f} us" if cpu else "-",
-         f"~{1e6 / cpu:,.0f} req/s per core" if cpu else "-"),
-        ("latency at 500 req/s, p50 ms", f"{d.p50_ms_at_rate:.2f}", f"{g.p50_ms_at_rate:.2f}",
-         f"+{g.p50_ms_at_rate - d.p50_ms_at_rate:.2f} ms"),
-        ("latency at 500 req/s, p99 ms", f"{d.p99_ms_at_rate:.2f}", f"{g.p99_ms_at_rate:.2f}",
-         f"+{g.p99_ms_at_rate - d.p99_ms_at_rate:.2f} ms"),
-        ("errors at 500 req/s", str(d.errors_at_rate), str(g.errors_at_rate), ""),
-        ("chunks/s, 64-chunk streams, 16 at a time", f"{d.chunks_per_s:,.0f}", f"{g.chunks_per_s:,.0f}",
-         f"{g.chunks_per_s / d.chunks_per_s:.2f}x"),
-        ("gateway CPU per streamed chunk", "-",
-         f"{g.gateway_cpu_us_per_chunk:.1f} us" if g.gateway_cpu_us_per_chunk else "-",
-         f"~{1e6 / g.gateway_cpu_us_per_chunk:,.0f} chunks/s per core" if g.gateway_cpu_us_per_chunk else "-"),
-        ("time to first chunk, 256 streams, 10 ms apart: p50 ms", f"{d.ttfc_p50_ms_256:.2f}",
-         f"{g.ttfc_p50_ms_256:.2f}", f"+{g.ttfc_p50_ms_256 - d.ttfc_p50_ms_256:.2f} ms"),
-        ("time to first chunk, 256 streams: p99 ms", f"{d.ttfc_p99_ms_256:.2f}", f"{g.ttfc_p99_ms_256:.2f}",
-         f"+{g.ttfc_p99_ms_256 - d.ttfc_p99_ms_256:.2f} ms"),
-        ("time to first chunk, 8 streams: p50 ms", f"{d.ttfc_p50_ms_8:.2f}", f"{g.ttfc_p50_ms_8:.2f}",
-         f"+{g.ttfc_p50_ms_8 - d.ttfc_p50_ms_8:.2f} ms"),
-        ("time to first chunk, 8 streams: p99 ms", f"{d.ttfc_p99_ms_8:.2f}", f"{g.ttfc_p99_ms_8:.2f}",
-         f"+{g.ttfc_p99_ms_8 - d.ttfc_p99_ms_8:.2f} ms"),
-        ("gateway RSS MB, idle -> 256 streams", "-",
-         f"{g.gateway_rss_mb_idle:.0f} -> {g.gateway_rss_mb_256_streams:.0f}", ""),
-    ]  # fmt: skip
+    d, b, g = results["direct"], results["bare relay"], results["gateway"]
+    paths = (d, b, g)
+
+    def row(label: str, values: list[str], adds: str = "") -> str:
+        return f"| {label} | {' | '.join(values)} | {adds} |"
+
+    def per_core(cpu: float | None) -> str:
+        return "-" if not cpu else f"{cpu:.0f} us (~{1e6 / cpu:,.0f}/s per core)"
+
     lines = [
         "# Gateway overhead",
         "",
         f"Measured by `{command}` on {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}; {seconds:g} s per measurement, both paths in one run. The upstream "
-        "(`bench.upstream`) answers at once; the load generator is Python on the same core as the upstream, "
-        "the gateway on the other core. The machine is shared and noisy: read ratios and medians.",
+        f"{platform.python_version()}; {seconds:g} s per measurement, all paths in one run. The upstream "
+        "(`bench.upstream`) answers at once. The load generator (Python) shares the first core with the "
+        "upstream; the relays run on the last core. `bare relay` (`bench.bare_relay`) is the simplest "
+        "aiohttp relay, the yardstick for what Python and aiohttp cost before any routing work. The "
+        "machine is shared and noisy: read ratios and medians.",
         "",
-        "| measure | direct | through gateway | gateway adds |",
-        "|---|---|---|---|",
-        *(f"| {a} | {b} | {c} | {e} |" for a, b, c, e in rows),
+        "| measure | direct | bare relay | gateway | gateway adds over direct |",
+        "|---|---|---|---|---|",
+        row("non-stream req/s, 32 connections (bounded by the Python client)",
+            [f"{p.rps_closed_loop:,.0f}" for p in paths], f"{g.rps_closed_loop / d.rps_closed_loop:.2f}x"),
+        row("relay CPU per non-stream request", ["-", per_core(b.router_cpu_us_per_request),
+            per_core(g.router_cpu_us_per_request)]),
+        row("latency at 500 req/s, p50 ms", [f"{p.p50_ms_at_rate:.2f}" for p in paths],
+            f"+{g.p50_ms_at_rate - d.p50_ms_at_rate:.2f} ms"),
+        row("latency at 500 req/s, p99 ms", [f"{p.p99_ms_at_rate:.2f}" for p in paths],
+            f"+{g.p99_ms_at_rate - d.p99_ms_at_rate:.2f} ms"),
+        row("failed requests at 500 req/s", [str(p.errors_at_rate) for p in paths]),
+        row("chunks/s, 64-chunk streams, 16 at a time", [f"{p.chunks_per_s:,.0f}" for p in paths],
+            f"{g.chunks_per_s / d.chunks_per_s:.2f}x"),
+        row("relay CPU per streamed chunk", ["-", _num(b.router_cpu_us_per_chunk, ".1f") + " us",
+            _num(g.router_cpu_us_per_chunk, ".1f") + " us"]),
+        row("first chunk, 256 streams, 10 ms apart: p50 ms", [f"{p.ttfc_p50_ms_256:.2f}" for p in paths],
+            f"+{g.ttfc_p50_ms_256 - d.ttfc_p50_ms_256:.2f} ms"),
+        row("first chunk, 256 streams: p99 ms", [f"{p.ttfc_p99_ms_256:.2f}" for p in paths],
+            f"+{g.ttfc_p99_ms_256 - d.ttfc_p99_ms_256:.2f} ms"),
+        row("first chunk, 8 streams: p50 ms", [f"{p.ttfc_p50_ms_8:.2f}" for p in paths],
+            f"+{g.ttfc_p50_ms_8 - d.ttfc_p50_ms_8:.2f} ms"),
+        row("first chunk, 8 streams: p99 ms", [f"{p.ttfc_p99_ms_8:.2f}" for p in paths],
+            f"+{g.ttfc_p99_ms_8 - d.ttfc_p99_ms_8:.2f} ms"),
+        row("relay RSS MB, idle -> under 256 streams", ["-"] + [
+            f"{_num(p.router_rss_mb_idle, '.0f')} -> {_num(p.router_rss_mb_256_streams, '.0f')}" for p in (b, g)]),
         "",
-    ]
+    ]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+LISTEN_BACKLOG = 4096
+
 
 async def serve_until_cancelled(
     app: web.Application,
@@ -24,7 +26,9 @@ async def serve_until_cancelled(
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        # aiohttp's default accept backlog (128) overflows when hundreds of clients connect at
+        # once, and a dropped SYN costs the client a one-second retransmit.
+        site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         if on_ready is not None:
