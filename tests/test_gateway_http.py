@@ -54,8 +54,9 @@ def settings_for(pools: dict[Pool, list[str]], **changes: Any) -> GatewaySetting
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(settings: GatewaySettings) -> AsyncIterator[str]:
-    runner = web.AppRunner(make_app(settings), handler_cancellation=True, shutdown_timeout=1)
+async def running_app(app: web.Application) -> AsyncIterator[str]:
+    """Serve an application in this event loop on a free port; yield its base URL."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -64,6 +65,10 @@ async def running_gateway(settings: GatewaySettings) -> AsyncIterator[str]:
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+def running_gateway(settings: GatewaySettings) -> contextlib.AbstractAsyncContextManager[str]:
+    return running_app(make_app(settings))
 
 
 def urls(fleet: dict[Pool, list[SimProcess]]) -> dict[Pool, list[str]]:
@@ -228,6 +233,14 @@ async def test_upstream_timeout_is_504(fleet: dict[Pool, list[SimProcess]]) -> N
     assert payload["error"]["code"] == "upstream_timeout"
 
 
+@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/v1/chat/completions", 405), ("GET", "/nope", 404)])
+async def test_unknown_routes_answer_in_the_openai_shape(gateway: str, method: str, path: str, status: int) -> None:
+    async with aiohttp.ClientSession() as session, session.request(method, f"{gateway}{path}") as r:
+        assert r.status == status
+        body = await r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
 async def test_models_health_ready_metrics(gateway: str, fleet: dict[Pool, list[SimProcess]]) -> None:
     async with client(gateway) as api:
         await api.chat.completions.create(
@@ -256,17 +269,34 @@ async def test_models_health_ready_metrics(gateway: str, fleet: dict[Pool, list[
     assert sum(v for (name, _), v in samples.items() if name == "specgate_slo_total") >= 1
 
 
-async def test_client_abort_drops_the_replicas_running_count(sim_factory: SimFactory) -> None:
+async def gateway_samples(url: str, name: str) -> dict[str, float]:
+    """One gateway metric's values by replica label."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    return {
+        s.labels.get("replica", ""): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_abort_drops_the_replicas_running_count(sim_factory: SimFactory, stream: bool) -> None:
     replica = sim(sim_factory, "plain")
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True, "stream": stream}
     async with running_gateway(settings_for({Pool.PLAIN: [replica.url]})) as url:
         async with aiohttp.ClientSession() as session:
-            response = await session.post(f"{url}/v1/chat/completions", json=body)
-            assert response.status == 200
-            await response.content.readline()
-            assert replica.sample("vllm:num_requests_running") == 1
-            response.close()
+            pending = asyncio.create_task(session.post(f"{url}/v1/chat/completions", json=body))
+            await asyncio.to_thread(replica.wait_for, "vllm:num_requests_running", lambda v: v == 1)
+            if stream:
+                response = await pending
+                await response.content.readline()
+                response.close()
+            else:
+                pending.cancel()
         await asyncio.to_thread(replica.wait_for, "vllm:num_requests_running", lambda v: v == 0)
+        assert await gateway_samples(url, "specgate_replica_in_flight") == {"plain-0": 0.0}
     assert replica.sample("vllm:request_success_total", finished_reason="abort") == 1
 
 
@@ -291,6 +321,8 @@ async def test_killing_a_replica_fails_no_request_that_had_not_started_streaming
         served_by = await asyncio.gather(*load)  # raises if any request failed
         async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
             metrics = await r.text()
+        # nothing leaked: every dispatch was matched by its end, the dead replica's included
+        assert await gateway_samples(url, "specgate_replica_in_flight") == {"plain-0": 0.0, "plain-1": 0.0}
     assert served_by.count("plain-1") > 30  # it took over
     # requests in flight on the victim when it died were retried on the survivor
     assert 'specgate_retries_total{pool="plain"}' in metrics
@@ -298,39 +330,29 @@ async def test_killing_a_replica_fails_no_request_that_had_not_started_streaming
     assert float(retried.split()[-1]) >= 3
 
 
-async def _broken_replica() -> AsyncIterator[str]:
+def broken_replica() -> web.Application:
     """A replica whose engine has died: healthy metrics, 500 on every completion (as vLLM's EngineDeadError)."""
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
 
     async def fail(_: web.Request) -> web.Response:
-        body = {
-            "error": {
-                "message": "EngineCore encountered an issue.",
-                "type": "InternalServerError",
-                "param": None,
-                "code": 500,
-            }
+        error = {
+            "message": "EngineCore encountered an issue.",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
         }
-        return web.json_response(body, status=500)
+        return web.json_response({"error": error}, status=500)
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/chat/completions", fail)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
+    return app
 
 
 async def test_5xx_before_any_byte_is_retried_in_the_other_pool(fleet: dict[Pool, list[SimProcess]]) -> None:
-    async with contextlib.asynccontextmanager(_broken_replica)() as broken:
+    async with running_app(broken_replica()) as broken:
         pools = {Pool.SPECULATIVE: [broken], Pool.PLAIN: [fleet[Pool.PLAIN][0].url]}
         async with running_gateway(settings_for(pools)) as url, client(url) as api:
             raw = await api.chat.completions.with_raw_response.create(
