@@ -436,3 +436,53 @@ async def test_replica_dying_mid_stream_ends_the_stream_with_an_error_event(sim_
         text = await read_stream(url, body, during=lambda: replica.proc.send_signal(signal.SIGKILL))
     assert text.startswith(b"data: {")
     assert text.rstrip().endswith(b'"code": "upstream_failed"}}')
+
+
+def echo_replica() -> web.Application:
+    """A replica that answers with the headers it received, to see what the gateway forwards."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.read()
+        return web.json_response({"headers": {k.lower(): v for k, v in request.headers.items()}, "body": body.decode()})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/chat/completions", echo)
+    return app
+
+
+# Spacing, key order, escapes and unknown fields that a re-encoding router would change.
+ODD_BUT_VALID = (
+    b'{ "messages" :[{"role":"user","content":"caf\\u00e9 \xe2\x98\x95"}],\n "model":"sim-model",'
+    b' "max_tokens": 2, "x_vendor_field": {"keep": [1.50, 2e3]} }'
+)
+
+
+@pytest.mark.parametrize("forward", [False, True])
+async def test_forwarded_headers(forward: bool) -> None:
+    async with running_app(echo_replica()) as replica:
+        settings = settings_for({Pool.PLAIN: [replica]}, forward_authorization=forward)
+        async with running_gateway(settings) as url:
+            status, seen = await post(
+                url,
+                ODD_BUT_VALID,
+                {
+                    "Authorization": "Bearer client-secret",
+                    "Proxy-Authorization": "Basic x",
+                    "TE": "trailers",
+                    "X-Custom": "kept",
+                    "x-request-id": "abc",
+                    "Content-Type": "application/json",
+                },
+            )
+    assert status == 200
+    headers = seen["headers"]
+    assert headers["x-custom"] == "kept"
+    assert headers["x-request-id"] == "abc"
+    assert "proxy-authorization" not in headers
+    assert "te" not in headers
+    assert ("authorization" in headers) is forward
+    assert seen["body"].encode() == ODD_BUT_VALID  # the body went out byte for byte
