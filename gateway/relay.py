@@ -160,13 +160,13 @@ class Relay:
         started = time.monotonic()
         got_first_byte = False
         replica.dispatched_one()
+        watchdog = _Watchdog(timeouts.first_byte_s, timeouts.idle_s)
         try:
             try:
-                async with asyncio.timeout(timeouts.first_byte_s):
-                    upstream = await self.session.post(
-                        f"{replica.url}{endpoint.value}", data=raw, headers=upstream_headers
-                    )
-            except TimeoutError:
+                upstream = await self.session.post(f"{replica.url}{endpoint.value}", data=raw, headers=upstream_headers)
+            except asyncio.CancelledError:
+                if not watchdog.absorb():
+                    raise
                 replica.failed("no first byte in time")
                 raise UpstreamTimeout(
                     f"replica {replica.name} sent nothing within {timeouts.first_byte_s:g} s"
@@ -178,6 +178,7 @@ class Relay:
                 replica.failed(f"request failed: {exc!r}")
                 return UpstreamUnavailable(f"replica {replica.name} failed before answering")
             got_first_byte = True
+            watchdog.started()
             replica.first_byte()
             try:
                 if upstream.status >= 500 and not last:
@@ -186,9 +187,9 @@ class Relay:
                 route = self._route_headers(decision, replica, headers, version)
                 outcome.status = upstream.status
                 if upstream.content_type == "text/event-stream":
-                    response = await self._stream(request, upstream, route, replica, started, outcome)
+                    response = await self._stream(request, upstream, route, replica, started, outcome, watchdog)
                 else:
-                    response = await self._whole(upstream, route, started, outcome)
+                    response = await self._whole(upstream, route, replica, started, outcome, watchdog)
             except BaseException:
                 upstream.close()
                 raise
@@ -200,13 +201,25 @@ class Relay:
             self._account(replica, decision, headers, outcome)
             return response
         finally:
+            watchdog.stop()
             replica.finished(got_first_byte=got_first_byte)
 
     async def _whole(
-        self, upstream: aiohttp.ClientResponse, route: dict[str, str], started: float, outcome: Outcome
+        self,
+        upstream: aiohttp.ClientResponse,
+        route: dict[str, str],
+        replica: Replica,
+        started: float,
+        outcome: Outcome,
+        watchdog: _Watchdog,
     ) -> web.Response:
-        async with asyncio.timeout(self.settings.timeouts.idle_s):
+        try:
             body = await upstream.read()
+        except asyncio.CancelledError:
+            if not watchdog.absorb():
+                raise
+            replica.failed("response body stalled")
+            raise UpstreamTimeout(f"replica {replica.name} stopped sending its answer") from None
         # The client sees nothing before the whole answer: its first byte is the end.
         outcome.ttft_s = time.monotonic() - started
         return web.Response(status=upstream.status, body=body, headers=_response_headers(upstream, route))
@@ -219,6 +232,7 @@ class Relay:
         replica: Replica,
         started: float,
         outcome: Outcome,
+        watchdog: _Watchdog,
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers=_response_headers(upstream, route))
         await response.prepare(request)
@@ -227,7 +241,6 @@ class Relay:
         events = 0
         previous = last = b""
         content = upstream.content
-        watchdog = _IdleWatchdog(self.settings.timeouts.idle_s)
         try:
             while True:
                 chunk = await content.readany()
@@ -240,9 +253,8 @@ class Relay:
                 previous, last = last, chunk
                 await response.write(chunk)
         except asyncio.CancelledError:
-            if not watchdog.fired:
+            if not watchdog.absorb():
                 raise
-            watchdog.absorb()
             replica.failed(f"stream silent for {self.settings.timeouts.idle_s:g} s")
             outcome.status = 504
             await response.write(_MID_STREAM_ERROR)
@@ -250,8 +262,6 @@ class Relay:
             replica.failed(f"stream broke: {exc!r}")
             outcome.status = 502
             await response.write(_MID_STREAM_ERROR)
-        finally:
-            watchdog.stop()
         await response.write_eof()
         if first_at:
             outcome.ttft_s = first_at - started
@@ -282,33 +292,47 @@ class Relay:
             self.metrics.slo.labels("tpot", "met" if met else "missed").inc()
 
 
-class _IdleWatchdog:
-    """Cancels the relaying task when the upstream stays silent for `idle_s` seconds.
+class _Watchdog:
+    """Cancels an attempt whose upstream stays silent: first `first_byte_s` until the response
+    starts, then `idle_s` between two chunks.
 
-    One timer per stream, re-armed only when it fires, instead of a timeout armed per chunk:
-    the relay loop just records when the last chunk came.
+    One timer per attempt, re-armed only when it fires, instead of a timeout armed around every
+    read: the relay loop just records when the last chunk came.
     """
 
-    def __init__(self, idle_s: float) -> None:
+    def __init__(self, first_byte_s: float, idle_s: float) -> None:
         self.idle_s = idle_s
         self.last = time.monotonic()
-        self.fired = False
+        self._fired = False
         self._task = asyncio.current_task()
         self._loop = asyncio.get_running_loop()
-        self._timer = self._loop.call_later(idle_s, self._check)
+        self._timer = self._loop.call_later(first_byte_s, self._fire)
+
+    def started(self) -> None:
+        """The response began: from now on, watch for silence between chunks."""
+        self._timer.cancel()
+        self.last = time.monotonic()
+        self._timer = self._loop.call_later(self.idle_s, self._check)
 
     def _check(self) -> None:
         silent = time.monotonic() - self.last
         if silent < self.idle_s:
             self._timer = self._loop.call_later(self.idle_s - silent, self._check)
-        elif self._task is not None:
-            self.fired = True
+        else:
+            self._fire()
+
+    def _fire(self) -> None:
+        if self._task is not None:
+            self._fired = True
             self._task.cancel()
 
-    def absorb(self) -> None:
-        """The cancellation was ours: the task goes on (to tell the client)."""
-        if self._task is not None:
-            self._task.uncancel()
+    def absorb(self) -> bool:
+        """After a CancelledError: True when the watchdog caused it (the task then goes on)."""
+        if not self._fired or self._task is None:
+            return False
+        self._fired = False
+        self._task.uncancel()
+        return True
 
     def stop(self) -> None:
         self._timer.cancel()

@@ -6,8 +6,8 @@ A malformed value is a 400 naming the header; an absent one takes the configured
 from __future__ import annotations
 
 import math
+import os
 import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -83,5 +83,5 @@ def parse_routing_headers(headers: Mapping[str, str], defaults: SloDefaults) -> 
         else None,
         forced_pool=forced,
         priority=_integer(PRIORITY, priority, -MAX_PRIORITY, MAX_PRIORITY) if priority is not None else 0,
-        request_id=request_id or uuid.uuid4().hex,
+        request_id=request_id or os.urandom(16).hex(),
     )
