@@ -106,7 +106,16 @@ class Relay:
             if attempt:
                 self.metrics.retries.labels(pool).inc()
             result = await self._attempt(
-                request, endpoint, raw, upstream_headers, replica, decision, headers, plan.version, last=attempt == 1
+                request,
+                endpoint,
+                raw,
+                upstream_headers,
+                replica,
+                decision,
+                features,
+                headers,
+                plan.version,
+                last=attempt == 1,
             )
             if isinstance(result, GatewayError):
                 failure = result
@@ -150,6 +159,7 @@ class Relay:
         upstream_headers: CIMultiDict[str],
         replica: Replica,
         decision: Decision,
+        features: RequestFeatures,
         headers: RoutingHeaders,
         version: str,
         *,
@@ -159,7 +169,7 @@ class Relay:
         outcome = Outcome()
         started = time.monotonic()
         got_first_byte = False
-        replica.dispatched_one()
+        replica.dispatched_one(features.prompt_tokens)
         watchdog = _Watchdog(timeouts.first_byte_s, timeouts.idle_s)
         try:
             try:
@@ -179,7 +189,7 @@ class Relay:
                 return UpstreamUnavailable(f"replica {replica.name} failed before answering")
             got_first_byte = True
             watchdog.started()
-            replica.first_byte()
+            replica.first_byte(features.prompt_tokens)
             try:
                 if upstream.status >= 500 and not last:
                     replica.failed(f"answered {upstream.status}")
@@ -202,7 +212,7 @@ class Relay:
             return response
         finally:
             watchdog.stop()
-            replica.finished(got_first_byte=got_first_byte)
+            replica.finished(got_first_byte=got_first_byte, prompt_tokens=features.prompt_tokens)
 
     async def _whole(
         self,
@@ -276,7 +286,12 @@ class Relay:
         if outcome.status >= 400:
             return
         if outcome.streamed:
-            replica.observe(outcome.ttft_s, outcome.tpot_s)
+            replica.observe(
+                outcome.ttft_s,
+                outcome.tpot_s,
+                decision.predicted_ttft_ms / 1e3 if decision.predicted_ttft_ms is not None else None,
+                decision.predicted_tpot_ms / 1e3 if decision.predicted_tpot_ms is not None else None,
+            )
             if outcome.ttft_s is not None:
                 self.metrics.ttft.labels(pool).observe(outcome.ttft_s)
                 if decision.predicted_ttft_ms is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -34,10 +35,27 @@ class FleetSettings:
     eject_after: int = 3
     smoothing: float = 0.2
     """Weight of the newest observation in the smoothed TTFT and TPOT."""
+    correction_smoothing: float = 0.05
+    """Weight of the newest observed/predicted ratio in the latency model's per-replica correction."""
 
 
 def _ewma(old: float | None, new: float, weight: float) -> float:
     return new if old is None else old + weight * (new - old)
+
+
+# A single observation moves a correction at most this far (a factor of 2), so one outlier
+# (a request stuck behind a preemption) cannot wreck the model.
+_MAX_STEP = math.log(2.0)
+_CORRECTION_RANGE = (0.2, 5.0)
+
+
+def _corrected(correction: float, observed: float, predicted: float, weight: float) -> float:
+    """Move a multiplicative correction toward observed/predicted, in log space."""
+    if observed <= 0 or predicted <= 0:
+        return correction
+    step = max(-_MAX_STEP, min(_MAX_STEP, math.log(observed / predicted)))
+    low, high = _CORRECTION_RANGE
+    return min(max(correction * math.exp(weight * step), low), high)
 
 
 class Replica:
@@ -49,6 +67,7 @@ class Replica:
         self.healthy = False
         self.in_flight = 0
         self.prefilling = 0
+        self.prefill_tokens = 0
         self.dispatched = 0
         self.failures = 0
         self.load: VllmLoad | None = None
@@ -56,30 +75,45 @@ class Replica:
         self.tokens_per_step: float | None = None
         self.observed_ttft_s: float | None = None
         self.observed_tpot_s: float | None = None
+        self.ttft_correction = 1.0
+        self.tpot_correction = 1.0
         self._dispatched_at_scrape = 0
         self._last_spec: SpecCounters | None = None
 
     # --- the gateway's own accounting ---------------------------------------------------------
 
-    def dispatched_one(self) -> None:
+    def dispatched_one(self, prompt_tokens: int = 0) -> None:
         self.dispatched += 1
         self.in_flight += 1
         self.prefilling += 1
+        self.prefill_tokens += prompt_tokens
 
-    def first_byte(self) -> None:
+    def first_byte(self, prompt_tokens: int = 0) -> None:
         self.prefilling -= 1
+        self.prefill_tokens -= prompt_tokens
 
-    def finished(self, *, got_first_byte: bool) -> None:
+    def finished(self, *, got_first_byte: bool, prompt_tokens: int = 0) -> None:
         self.in_flight -= 1
         if not got_first_byte:
-            self.prefilling -= 1
+            self.first_byte(prompt_tokens)
 
-    def observe(self, ttft_s: float | None, tpot_s: float | None) -> None:
-        w = self.settings.smoothing
+    def observe(
+        self,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        predicted_ttft_s: float | None = None,
+        predicted_tpot_s: float | None = None,
+    ) -> None:
+        """Record what a request saw; with the predictions it was routed on, correct the model."""
+        w, wc = self.settings.smoothing, self.settings.correction_smoothing
         if ttft_s is not None:
             self.observed_ttft_s = _ewma(self.observed_ttft_s, ttft_s, w)
+            if predicted_ttft_s is not None:
+                self.ttft_correction = _corrected(self.ttft_correction, ttft_s, predicted_ttft_s, wc)
         if tpot_s is not None:
             self.observed_tpot_s = _ewma(self.observed_tpot_s, tpot_s, w)
+            if predicted_tpot_s is not None:
+                self.tpot_correction = _corrected(self.tpot_correction, tpot_s, predicted_tpot_s, wc)
 
     # --- health -------------------------------------------------------------------------------
 
@@ -118,6 +152,7 @@ class Replica:
             healthy=self.healthy,
             in_flight=self.in_flight,
             prefilling=self.prefilling,
+            prefill_tokens=self.prefill_tokens,
             dispatched_since_scrape=self.dispatched - self._dispatched_at_scrape,
             running=load.running if fresh and load else None,
             waiting=load.waiting if fresh and load else None,
@@ -126,6 +161,8 @@ class Replica:
             scrape_age_s=age,
             observed_ttft_s=self.observed_ttft_s,
             observed_tpot_s=self.observed_tpot_s,
+            ttft_correction=self.ttft_correction,
+            tpot_correction=self.tpot_correction,
         )
 
 

@@ -28,6 +28,8 @@ class ReplicaState:
     """Requests the gateway has sent there and not seen finish: fresher than any scrape."""
     prefilling: int
     """Of those, requests that have not produced their first byte yet."""
+    prefill_tokens: int
+    """The prompt tokens of those requests: prefill work queued ahead of a newcomer."""
     dispatched_since_scrape: int
     """Requests sent there since the scrape the load figures below come from."""
     running: float | None
@@ -40,6 +42,9 @@ class ReplicaState:
     observed_ttft_s: float | None
     """Smoothed TTFT the gateway observed on this replica."""
     observed_tpot_s: float | None
+    ttft_correction: float = 1.0
+    """Observed over predicted TTFT on this replica, smoothed: multiplies the model's prediction."""
+    tpot_correction: float = 1.0
 
     @property
     def load(self) -> float:
