@@ -6,6 +6,7 @@
      │    └── BadBody          400     a body that is not JSON, or a field of the wrong type
      ├── ModelNotFound         404     model_not_found
      ├── BodyTooLarge          413     body_too_large
+     ├── Overloaded            429     the request cannot meet its SLO now (Retry-After says when to retry)
      ├── NoHealthyReplica      503     no_healthy_replica
      ├── UpstreamUnavailable   502     every replica tried failed before answering
      └── UpstreamTimeout       504     no first byte within the first-byte timeout
@@ -65,6 +66,16 @@ class BodyTooLarge(GatewayError):
     code = "body_too_large"
 
 
+class Overloaded(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "slo_unattainable"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class NoHealthyReplica(GatewayError):
     status = 503
     type = "server_error"
@@ -97,6 +108,8 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     """Every error leaves in the OpenAI shape: ours, aiohttp's own (404, 405) and bugs alike."""
     try:
         return await handler(request)
+    except Overloaded as err:
+        return error_response(err, {"Retry-After": str(max(round(err.retry_after_s), 1))})
     except GatewayError as err:
         return error_response(err)
     except web.HTTPException as exc:

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -26,13 +25,15 @@ from gateway.errors import (
     BodyTooLarge,
     GatewayError,
     NoHealthyReplica,
+    Overloaded,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
 from gateway.metrics import GatewayMetrics
 from gateway.sla import REQUEST_ID, RoutingHeaders, parse_routing_headers
-from policies.decision import Decision
+from policies.decision import Decision, Shed
 from policies.features import RequestFeatures
+from policies.length import LengthStats
 from policies.registry import RoutingPlan
 from workers.pools import Fleet, Replica
 
@@ -57,6 +58,7 @@ class Outcome:
     ttft_s: float | None = None
     tpot_s: float | None = None
     streamed: bool = False
+    completion_tokens: int | None = None
 
 
 class Relay:
@@ -68,6 +70,7 @@ class Relay:
         self.session = session
         self.metrics = metrics
         self.plan: RoutingPlan | None = None
+        self.lengths = LengthStats()
         self._sequence = itertools.count()
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -82,7 +85,9 @@ class Relay:
             stream=fields.stream,
             prompt_tokens=fields.prompt_tokens,
             max_tokens=fields.max_tokens,
-            expected_output_tokens=headers.expected_output_tokens,
+            expected_output_tokens=self.lengths.expected(
+                fields.model, fields.prompt_tokens, hint=headers.expected_output_tokens, max_tokens=fields.max_tokens
+            ),
             slo_ttft_ms=headers.slo_ttft_ms,
             slo_tpot_ms=headers.slo_tpot_ms,
             forced_pool=headers.forced_pool,
@@ -99,6 +104,12 @@ class Relay:
             decision = plan.decide(features, snapshot.without(frozenset(tried)) if tried else snapshot)
             if decision is None:
                 break
+            if isinstance(decision, Shed):
+                self.metrics.decisions.labels(plan.policy.name, "none", decision.reason).inc()
+                self.metrics.requests.labels("none", decision.reason, "429").inc()
+                raise Overloaded(
+                    "no replica can meet this request's SLO now; retry later", retry_after_s=decision.retry_after_s
+                )
             replica = self.fleet.replicas[decision.replica.name]
             tried.add(replica.name)
             pool = replica.pool.value
@@ -208,7 +219,7 @@ class Relay:
                 replica.failed(f"answered {upstream.status}")
             else:
                 replica.succeeded()
-            self._account(replica, decision, headers, outcome)
+            self._account(replica, decision, features, headers, outcome)
             return response
         finally:
             watchdog.stop()
@@ -232,6 +243,7 @@ class Relay:
             raise UpstreamTimeout(f"replica {replica.name} stopped sending its answer") from None
         # The client sees nothing before the whole answer: its first byte is the end.
         outcome.ttft_s = time.monotonic() - started
+        outcome.completion_tokens = _completion_tokens(body)
         return web.Response(status=upstream.status, body=body, headers=_response_headers(upstream, route))
 
     async def _stream(
@@ -275,16 +287,21 @@ class Relay:
         await response.write_eof()
         if first_at:
             outcome.ttft_s = first_at - started
-            tokens = _usage_tokens(previous + last) or max(events - 2, 0)
+            outcome.completion_tokens = _completion_tokens(previous + last)
+            tokens = outcome.completion_tokens or max(events - 2, 0)
             if tokens > 1:
                 outcome.tpot_s = (watchdog.last - first_at) / (tokens - 1)
         return response
 
-    def _account(self, replica: Replica, decision: Decision, headers: RoutingHeaders, outcome: Outcome) -> None:
+    def _account(
+        self, replica: Replica, decision: Decision, features: RequestFeatures, headers: RoutingHeaders, outcome: Outcome
+    ) -> None:
         pool = replica.pool.value
         self.metrics.requests.labels(pool, decision.reason, str(outcome.status)).inc()
         if outcome.status >= 400:
             return
+        if outcome.completion_tokens is not None:
+            self.lengths.observe(features.model, features.prompt_tokens, outcome.completion_tokens)
         if outcome.streamed:
             replica.observe(
                 outcome.ttft_s,
@@ -364,18 +381,16 @@ def _response_headers(upstream: aiohttp.ClientResponse, route: dict[str, str]) -
     return out
 
 
-def _usage_tokens(tail: bytes) -> int | None:
-    """completion_tokens from the stream's usage chunk, when the client asked for one."""
-    if b'"usage"' not in tail:
+_COMPLETION_TOKENS = b'"completion_tokens":'
+
+
+def _completion_tokens(data: bytes) -> int | None:
+    """The last `completion_tokens` in a response body or stream tail, without parsing the JSON."""
+    at = data.rfind(_COMPLETION_TOKENS)
+    if at < 0:
         return None
-    for event in reversed(tail.split(b"\n\n")):
-        if not event.startswith(b"data: {") or b'"usage"' not in event:
-            continue
-        try:
-            usage = orjson.loads(event[6:]).get("usage")
-        except orjson.JSONDecodeError:
-            return None
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            tokens: int = usage["completion_tokens"]
-            return tokens
-    return None
+    digits = data[at + len(_COMPLETION_TOKENS) : at + len(_COMPLETION_TOKENS) + 24].lstrip()
+    end = 0
+    while end < len(digits) and 48 <= digits[end] <= 57:
+        end += 1
+    return int(digits[:end]) if end else None

@@ -18,14 +18,22 @@ class Decision:
     predicted_tpot_ms: float | None = None
 
 
+@dataclass(frozen=True)
+class Shed:
+    """Refuse the request now (HTTP 429): it cannot meet its SLO and its priority lets it wait."""
+
+    reason: str
+    retry_after_s: float
+
+
 class Policy(Protocol):
     """A pure function of the request, the fleet snapshot and the policy's own parameters."""
 
     @property
     def name(self) -> str: ...
 
-    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Decision | None:
-        """The replica to use, or None when no healthy replica can take the request."""
+    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Decision | Shed | None:
+        """The replica to use, a refusal, or None when no healthy replica can take the request."""
         ...
 
 

@@ -1,19 +1,24 @@
-"""Per-replica latency predictions from the calibrated profile.
+"""Per-replica latency predictions: the calibrated profile, corrected by what the gateway observes.
 
-For the replica a request would join:
+For the replica a request would join, with B requests already there:
 
-- TTFT: the requests still before their first token there are prefilled first (each assumed the
-  size of this one), then this prompt, with the CPU overhead of a step; a speculative replica adds
-  the draft's prefill and its first k draft passes.
-- TPOT: the step time at the batch the request would join (its load plus one), at a context of
-  the prompt plus half the expected output; a speculative replica divides its draft-and-verify step
-  by the tokens per step it was last seen to emit (the profile's mean until scraped).
+- TTFT: half a step (the step in flight when the request arrives) plus the steps that prefill the
+  prompt tokens queued ahead of it and its own, in chunks of what the token budget leaves beside
+  B decodes; a speculative replica also runs the draft's prefill and its first k draft passes.
+- TPOT: the step time at batch B + 1 at the batch's mean context (from the scraped KV usage when
+  there is one, else this request's prompt plus half its expected output); a speculative replica
+  divides its draft-and-verify step by the tokens per step it was last seen to emit (the profile's
+  mean until scraped).
+- Harm: what joining costs the B requests already there: the rise in step time from B to B + 1,
+  over the steps this request will stay, summed over them.
 
-These are the profile's figures, not yet corrected by what the gateway observes.
+Each replica's TTFT and TPOT are then multiplied by its smoothed observed/predicted ratios, so a
+profile that is off converges to what the replica really does.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from policies.features import RequestFeatures
@@ -22,47 +27,88 @@ from workers.sim.profiles import Profile
 from workers.snapshot import Pool, ReplicaState
 
 DEFAULT_OUTPUT_TOKENS = 256
-"""Assumed output length when neither the client nor max_tokens says more."""
+"""Assumed output length when neither the client, the learned lengths nor max_tokens say more."""
 
 
 @dataclass(frozen=True)
 class Prediction:
     ttft_ms: float
     tpot_ms: float
+    harm_ms: float = 0.0
+    """Extra time this request would impose on the requests already on the replica, summed."""
+
+    def completion_ms(self, output_tokens: int) -> float:
+        return self.ttft_ms + max(output_tokens - 1, 0) * self.tpot_ms
 
 
 @dataclass(frozen=True)
 class LatencyModel:
     profile: Profile
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
 
     def expected_output(self, features: RequestFeatures) -> int:
         if features.expected_output_tokens is not None:
-            return features.expected_output_tokens
+            expected = features.expected_output_tokens
+        else:
+            expected = DEFAULT_OUTPUT_TOKENS
         if features.max_tokens is not None:
-            return min(features.max_tokens, DEFAULT_OUTPUT_TOKENS)
-        return DEFAULT_OUTPUT_TOKENS
+            expected = min(expected, features.max_tokens)
+        return max(expected, 1)
+
+    def _step_ms(self, pool: Pool, decode_seqs: int, context: float, prefill_tokens: int = 0) -> float:
+        """One engine step: target forward, CPU overhead and, when speculating, the drafts."""
+        steps, spec = self.profile.steps, self.profile.spec
+        speculative = pool is Pool.SPECULATIVE
+        k = spec.num_speculative_tokens if speculative else 0
+        batch = Batch(
+            decode_seqs=decode_seqs,
+            query_per_seq=1 + k,
+            mean_context=context,
+            prefill_tokens=prefill_tokens,
+            prefill_seqs=1 if prefill_tokens else 0,
+        )
+        ms = steps.forward_ms(batch) + steps.overhead_ms(batch.num_seqs)
+        if speculative:
+            drafting = decode_seqs + (1 if prefill_tokens else 0)
+            ms += spec.draft.step_ms(k, drafting, drafting * context) + spec.draft.prefill_ms(prefill_tokens)
+        return ms
+
+    def _mean_context(self, replica: ReplicaState, batch: int, fallback: float) -> float:
+        if replica.kv_usage is None or not batch:
+            return fallback
+        spec = replica.pool is Pool.SPECULATIVE
+        capacity = self.profile.spec.kv_capacity_tokens if spec else self.profile.kv_capacity_tokens
+        return max(replica.kv_usage * capacity / batch, 1.0)
 
     def predict(self, replica: ReplicaState, features: RequestFeatures) -> Prediction:
-        steps = self.profile.steps
-        spec = self.profile.spec
-        speculative = replica.pool is Pool.SPECULATIVE
-        k = spec.num_speculative_tokens if speculative else 0
+        pool = replica.pool
         prompt = max(features.prompt_tokens, 1)
-        batch = max(round(replica.load), 0)
-        ahead = replica.prefilling + int(replica.waiting or 0)
+        output = self.expected_output(features)
+        batch = min(max(round(replica.load), 0), self.max_num_seqs - 1)
+        context = self._mean_context(replica, batch, prompt + output / 2)
+        k = self.profile.spec.num_speculative_tokens if pool is Pool.SPECULATIVE else 0
 
-        prefill = Batch(prefill_tokens=prompt * (ahead + 1), prefill_seqs=ahead + 1)
-        ttft = steps.forward_ms(prefill) + steps.overhead_ms(prefill.num_seqs)
-        if speculative:
-            ttft += spec.draft.prefill_ms(prompt) + spec.draft.step_ms(k, 1, prompt)
+        decode_ms = self._step_ms(pool, batch, context) if batch else 0.0
+        queued = max(replica.prefill_tokens, 0) + prompt
+        chunk = max(self.max_num_batched_tokens - batch * (1 + k), 1)
+        full_steps, last = divmod(queued, chunk)
+        ttft = 0.5 * decode_ms
+        if full_steps:
+            ttft += full_steps * self._step_ms(pool, batch, context, chunk)
+        if last:
+            ttft += self._step_ms(pool, batch, context, last)
 
-        context = prompt + self.expected_output(features) / 2
-        decode = Batch(decode_seqs=batch + 1, query_per_seq=1 + k, mean_context=context)
-        step = steps.forward_ms(decode) + steps.overhead_ms(decode.num_seqs)
-        if speculative:
-            step += spec.draft.step_ms(k, decode.decode_seqs, decode.decode_seqs * context)
-            tokens_per_step = replica.tokens_per_step or spec.expected_tokens_per_step()
-            tpot = step / max(tokens_per_step, 1.0)
+        joined = self._step_ms(pool, batch + 1, context)
+        if pool is Pool.SPECULATIVE:
+            tokens_per_step = max(replica.tokens_per_step or self.profile.spec.expected_tokens_per_step(), 1.0)
         else:
-            tpot = step
-        return Prediction(ttft_ms=ttft, tpot_ms=tpot)
+            tokens_per_step = 1.0
+        tpot = joined / tokens_per_step
+        stay_steps = math.ceil(output / tokens_per_step)
+        harm = batch * max(joined - decode_ms, 0.0) * stay_steps if batch else 0.0
+        return Prediction(
+            ttft_ms=ttft * replica.ttft_correction,
+            tpot_ms=tpot * replica.tpot_correction,
+            harm_ms=harm * replica.tpot_correction,
+        )

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from policies.adaptive import Adaptive
 from policies.baselines import Forced, LeastLoaded, PoolOnly, RoundRobin, Threshold
-from policies.decision import Decision, Policy
+from policies.decision import Decision, Policy, Shed
 from policies.features import RequestFeatures
 from policies.latency_model import LatencyModel
 from workers.snapshot import Pool, Snapshot
@@ -18,6 +19,30 @@ from workers.snapshot import Pool, Snapshot
 
 class PolicyConfigError(ValueError):
     """A policy name or parameter that cannot be used; the message names it."""
+
+
+def _number(name: str, params: Mapping[str, object], key: str, default: float, low: float, high: float) -> float:
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise PolicyConfigError(f"policy {name}: {key} must be a number in [{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def _adaptive(model: LatencyModel, params: Mapping[str, object]) -> Policy:
+    shed = params.get("shed", False)
+    if not isinstance(shed, bool):
+        raise PolicyConfigError(f"policy adaptive: shed must be true or false, got {shed!r}")
+    below = params.get("shed_below_priority", 0)
+    if isinstance(below, bool) or not isinstance(below, int):
+        raise PolicyConfigError(f"policy adaptive: shed_below_priority must be an integer, got {below!r}")
+    return Adaptive(
+        model,
+        exploration=_number("adaptive", params, "exploration", 0.02, 0.0, 0.5),
+        harm_weight=_number("adaptive", params, "harm_weight", 0.5, 0.0, 100.0),
+        shed=shed,
+        shed_below_priority=below,
+        retry_after_s=_number("adaptive", params, "retry_after_s", 1.0, 0.0, 3600.0),
+    )
 
 
 def _threshold(model: LatencyModel, params: Mapping[str, object]) -> Policy:
@@ -28,6 +53,10 @@ def _threshold(model: LatencyModel, params: Mapping[str, object]) -> Policy:
 
 
 _BUILDERS: Mapping[str, tuple[frozenset[str], Callable[[LatencyModel, Mapping[str, object]], Policy]]] = {
+    "adaptive": (
+        frozenset({"exploration", "harm_weight", "shed", "shed_below_priority", "retry_after_s"}),
+        _adaptive,
+    ),
     "round-robin": (frozenset(), lambda m, _: RoundRobin(m)),
     "least-loaded": (frozenset(), lambda m, _: LeastLoaded(m)),
     "speculative-only": (frozenset(), lambda m, _: PoolOnly(m, Pool.SPECULATIVE)),
@@ -56,7 +85,7 @@ class RoutingPlan:
     allow_pool_override: bool = True
     version: str = "0"
 
-    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Decision | None:
+    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Decision | Shed | None:
         if features.forced_pool is not None and self.allow_pool_override:
             return Forced(self.model).decide(features, snapshot)
         return self.policy.decide(features, snapshot)

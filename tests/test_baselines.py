@@ -61,7 +61,7 @@ def test_policy_table(
     if chosen is None:
         assert decision is None
         return
-    assert decision is not None
+    assert isinstance(decision, Decision)
     assert (decision.replica.name, decision.reason) == (chosen, reason)
     assert decision.predicted_ttft_ms is not None
     assert decision.predicted_tpot_ms is not None
@@ -72,7 +72,7 @@ def test_policy_table(
 def test_threshold_uses_scraped_load_when_fresh() -> None:
     busy = Snapshot((replica("spec-0", S, 0, running=20.0), replica("plain-0", P, 0)))
     decision = build_policy("threshold", {"max_load": 8}, MODEL).decide(FEATURES, busy)
-    assert decision is not None
+    assert isinstance(decision, Decision)
     assert decision.replica.name == "plain-0"
 
 
@@ -81,7 +81,7 @@ def test_round_robin_rotates_over_healthy_replicas() -> None:
     names = []
     for seq in range(8):
         decision = policy.decide(replace(FEATURES, sequence=seq), SPEC_DOWN)
-        assert decision is not None
+        assert isinstance(decision, Decision)
         names.append(decision.replica.name)
     assert names == ["plain-0", "plain-1"] * 4
 

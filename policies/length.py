@@ -1,0 +1,60 @@
+"""Expected output length, learned online from the lengths the gateway sees.
+
+Requests are grouped by model, prompt-size band and an optional request class; each group keeps a
+smoothed mean of the completion tokens its finished requests produced. A client's hint
+(`x-expected-output-tokens`) wins; a group not seen yet falls back to its band's prior, and the
+estimate never exceeds the request's `max_tokens`.
+
+The priors are the Azure LLM inference traces' mean outputs by prompt size (conversation and code
+together): long prompts (code completion, retrieval) tend to produce short answers.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+BAND_EDGES = (256, 1024, 4096)
+"""Prompt-size bands: under 256 tokens, 256-1023, 1024-4095, 4096 and more."""
+PRIORS = (200, 200, 150, 60)
+"""Cold-start expected output tokens per band."""
+SMOOTHING = 0.05
+
+
+def band(prompt_tokens: int) -> int:
+    return bisect.bisect_right(BAND_EDGES, prompt_tokens)
+
+
+@dataclass
+class LengthStats:
+    """Mutable, owned by whoever routes (the gateway, the offline simulator); read by `expected`."""
+
+    means: dict[tuple[str, int, str], float] = field(default_factory=dict)
+    counts: dict[tuple[str, int, str], int] = field(default_factory=dict)
+
+    def observe(self, model: str, prompt_tokens: int, output_tokens: int, request_class: str = "") -> None:
+        key = (model, band(prompt_tokens), request_class)
+        n = self.counts.get(key, 0) + 1
+        self.counts[key] = n
+        old = self.means.get(key)
+        # A plain mean while few lengths are known, then a smoothed one that follows drift.
+        weight = max(1.0 / n, SMOOTHING)
+        self.means[key] = output_tokens if old is None else old + weight * (output_tokens - old)
+
+    def expected(
+        self,
+        model: str,
+        prompt_tokens: int,
+        *,
+        hint: int | None = None,
+        max_tokens: int | None = None,
+        request_class: str = "",
+    ) -> int:
+        if hint is not None:
+            estimate = float(hint)
+        else:
+            b = band(prompt_tokens)
+            estimate = self.means.get((model, b, request_class), float(PRIORS[b]))
+        if max_tokens is not None:
+            estimate = min(estimate, max_tokens)
+        return max(round(estimate), 1)
