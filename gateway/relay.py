@@ -180,7 +180,7 @@ class Relay:
         outcome = Outcome()
         started = time.monotonic()
         got_first_byte = False
-        replica.dispatched_one(features.prompt_tokens)
+        replica.dispatched_one(features.prompt_tokens, started)
         watchdog = _Watchdog(timeouts.first_byte_s, timeouts.idle_s)
         try:
             try:

@@ -50,6 +50,9 @@ class Adaptive:
     shed_below_priority: int = 0
     """With shedding on, requests whose x-priority is below this may be refused."""
     retry_after_s: float = 1.0
+    slo_margin: float = 0.9
+    """A replica counts as meeting an SLO when predicted at most this share of it: predictions are
+    means, and a request's own latency spreads around them."""
     name: str = "adaptive"
 
     def _explores(self, sequence: int) -> bool:
@@ -67,7 +70,7 @@ class Adaptive:
             score = p.completion_ms(output) + self.harm_weight * p.harm_ms
             options.append(_Option(replica, p, violation(p, features), score))
         has_slo = features.slo_ttft_ms is not None or features.slo_tpot_ms is not None
-        feasible = [o for o in options if o.violation <= 1.0]
+        feasible = [o for o in options if o.violation <= self.slo_margin]
         if feasible:
             best = min(feasible, key=lambda o: o.score)
             reason = "meets-slo" if has_slo else "fastest"
@@ -78,6 +81,7 @@ class Adaptive:
         else:
             if self.shed and features.priority < self.shed_below_priority:
                 return Shed("slo-unattainable", self.retry_after_s)
-            best = min(options, key=lambda o: (o.violation, o.score))
-            reason = "least-violating"
+            # Past saving it, place the request where it costs the others least.
+            best = min(options, key=lambda o: o.score)
+            reason = "best-effort"
         return Decision(best.replica, reason, best.prediction.ttft_ms, best.prediction.tpot_ms)

@@ -8,9 +8,12 @@ For the replica a request would join, with B requests already there:
 - TPOT: the step time at batch B + 1 at the batch's mean context (from the scraped KV usage when
   there is one, else this request's prompt plus half its expected output); a speculative replica
   divides its draft-and-verify step by the tokens per step it was last seen to emit (the profile's
-  mean until scraped).
-- Harm: what joining costs the B requests already there: the rise in step time from B to B + 1,
-  over the steps this request will stay, summed over them.
+  mean until scraped). Chunked prefill of the prompts still arriving rides along and slows those
+  steps: at the replica's recent rate of prompt tokens, that prefill takes a share f of its time,
+  and TPOT is divided by 1 - f.
+- Harm: what joining costs the B requests already there: the steps that prefill this prompt stall
+  all of them, and every later step is slower by the rise in step time from B to B + 1, for as
+  many steps as this request stays; summed over the B requests.
 
 Each replica's TTFT and TPOT are then multiplied by its smoothed observed/predicted ratios, so a
 profile that is off converges to what the replica really does.
@@ -26,6 +29,7 @@ from workers.sim.costs import Batch
 from workers.sim.profiles import Profile
 from workers.snapshot import Pool, ReplicaState
 
+MAX_PREFILL_SHARE = 0.9
 DEFAULT_OUTPUT_TOKENS = 256
 """Assumed output length when neither the client, the learned lengths nor max_tokens say more."""
 
@@ -90,23 +94,26 @@ class LatencyModel:
         k = self.profile.spec.num_speculative_tokens if pool is Pool.SPECULATIVE else 0
 
         decode_ms = self._step_ms(pool, batch, context) if batch else 0.0
-        queued = max(replica.prefill_tokens, 0) + prompt
         chunk = max(self.max_num_batched_tokens - batch * (1 + k), 1)
-        full_steps, last = divmod(queued, chunk)
-        ttft = 0.5 * decode_ms
-        if full_steps:
-            ttft += full_steps * self._step_ms(pool, batch, context, chunk)
-        if last:
-            ttft += self._step_ms(pool, batch, context, last)
+
+        def prefill_ms(tokens: int) -> float:
+            full_steps, last = divmod(tokens, chunk)
+            ms = full_steps * self._step_ms(pool, batch, context, chunk) if full_steps else 0.0
+            return ms + (self._step_ms(pool, batch, context, last) if last else 0.0)
+
+        ttft = 0.5 * decode_ms + prefill_ms(max(replica.prefill_tokens, 0) + prompt)
 
         joined = self._step_ms(pool, batch + 1, context)
         if pool is Pool.SPECULATIVE:
             tokens_per_step = max(replica.tokens_per_step or self.profile.spec.expected_tokens_per_step(), 1.0)
         else:
             tokens_per_step = 1.0
-        tpot = joined / tokens_per_step
+        per_prefill_token_ms = max(self._step_ms(pool, batch + 1, context, prompt) - joined, 0.0) / prompt
+        prefill_share = min(replica.prefill_tokens_per_s * per_prefill_token_ms / 1e3, MAX_PREFILL_SHARE)
+        tpot = joined / tokens_per_step / (1.0 - prefill_share)
         stay_steps = math.ceil(output / tokens_per_step)
-        harm = batch * max(joined - decode_ms, 0.0) * stay_steps if batch else 0.0
+        stall = prefill_ms(prompt) - decode_ms * math.ceil(prompt / chunk)
+        harm = batch * (max(stall, 0.0) + max(joined - decode_ms, 0.0) * stay_steps) if batch else 0.0
         return Prediction(
             ttft_ms=ttft * replica.ttft_correction,
             tpot_ms=tpot * replica.tpot_correction,

@@ -37,6 +37,8 @@ class FleetSettings:
     """Weight of the newest observation in the smoothed TTFT and TPOT."""
     correction_smoothing: float = 0.05
     """Weight of the newest observed/predicted ratio in the latency model's per-replica correction."""
+    rate_window_s: float = 10.0
+    """Time constant of the smoothed rate of prompt tokens sent to each replica."""
 
 
 def _ewma(old: float | None, new: float, weight: float) -> float:
@@ -77,16 +79,24 @@ class Replica:
         self.observed_tpot_s: float | None = None
         self.ttft_correction = 1.0
         self.tpot_correction = 1.0
+        self._prefill_rate_sum = 0.0
+        self._prefill_rate_at = 0.0
         self._dispatched_at_scrape = 0
         self._last_spec: SpecCounters | None = None
 
     # --- the gateway's own accounting ---------------------------------------------------------
 
-    def dispatched_one(self, prompt_tokens: int = 0) -> None:
+    def dispatched_one(self, prompt_tokens: int = 0, now: float | None = None) -> None:
         self.dispatched += 1
         self.in_flight += 1
         self.prefilling += 1
         self.prefill_tokens += prompt_tokens
+        if now is not None:
+            self._prefill_rate_sum = self._decayed_rate_sum(now) + prompt_tokens
+            self._prefill_rate_at = now
+
+    def _decayed_rate_sum(self, now: float) -> float:
+        return self._prefill_rate_sum * math.exp(-max(now - self._prefill_rate_at, 0.0) / self.settings.rate_window_s)
 
     def first_byte(self, prompt_tokens: int = 0) -> None:
         self.prefilling -= 1
@@ -153,6 +163,7 @@ class Replica:
             in_flight=self.in_flight,
             prefilling=self.prefilling,
             prefill_tokens=self.prefill_tokens,
+            prefill_tokens_per_s=self._decayed_rate_sum(now) / self.settings.rate_window_s,
             dispatched_since_scrape=self.dispatched - self._dispatched_at_scrape,
             running=load.running if fresh and load else None,
             waiting=load.waiting if fresh and load else None,

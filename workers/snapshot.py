@@ -30,6 +30,8 @@ class ReplicaState:
     """Of those, requests that have not produced their first byte yet."""
     prefill_tokens: int
     """The prompt tokens of those requests: prefill work queued ahead of a newcomer."""
+    prefill_tokens_per_s: float
+    """Prompt tokens sent to the replica per second, smoothed: the prefill that will interrupt decoding."""
     dispatched_since_scrape: int
     """Requests sent there since the scrape the load figures below come from."""
     running: float | None
