@@ -70,6 +70,8 @@ class Served:
     tpot_s: float | None
     e2e_s: float
     pool: Pool
+    prompt_tokens: int
+    output_tokens: int
 
     def meets(self, scenario: Scenario) -> bool:
         if scenario.slo_ttft_ms is not None and self.ttft_s * 1e3 > scenario.slo_ttft_ms:
@@ -224,7 +226,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
                 decision.predicted_tpot_ms / 1e3 if decision.predicted_tpot_ms is not None else None,
             )
             lengths.observe(MODEL, request.prompt_tokens, done.output_tokens)
-            served.append(Served(done.ttft, done.tpot, done.e2e, replica.pool))
+            served.append(
+                Served(done.ttft, done.tpot, done.e2e, replica.pool, request.prompt_tokens, request.output_tokens)
+            )
         sims[name].busy = False
         if sims[name].engine.has_work():
             start_step(name)

@@ -35,7 +35,7 @@ def violation(prediction: Prediction, features: RequestFeatures) -> float:
     if features.slo_ttft_ms is not None:
         worst = max(worst, prediction.ttft_ms / features.slo_ttft_ms)
     if features.slo_tpot_ms is not None:
-        worst = max(worst, prediction.tpot_ms / features.slo_tpot_ms)
+        worst = max(worst, max(prediction.tpot_ms, prediction.tpot_tail_ms) / features.slo_tpot_ms)
     return worst
 
 

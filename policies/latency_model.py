@@ -30,6 +30,7 @@ from workers.sim.profiles import Profile
 from workers.snapshot import Pool, ReplicaState
 
 MAX_PREFILL_SHARE = 0.9
+TAIL_QUANTILE = 0.9
 DEFAULT_OUTPUT_TOKENS = 256
 """Assumed output length when neither the client, the learned lengths nor max_tokens say more."""
 
@@ -40,6 +41,8 @@ class Prediction:
     tpot_ms: float
     harm_ms: float = 0.0
     """Extra time this request would impose on the requests already on the replica, summed."""
+    tpot_tail_ms: float = 0.0
+    """The TPOT this request sees with a 90% chance or better, counting the prefill stalls."""
 
     def completion_ms(self, output_tokens: int) -> float:
         return self.ttft_ms + max(output_tokens - 1, 0) * self.tpot_ms
@@ -108,9 +111,15 @@ class LatencyModel:
             tokens_per_step = max(replica.tokens_per_step or self.profile.spec.expected_tokens_per_step(), 1.0)
         else:
             tokens_per_step = 1.0
-        per_prefill_token_ms = max(self._step_ms(pool, batch + 1, context, prompt) - joined, 0.0) / prompt
-        prefill_share = min(replica.prefill_tokens_per_s * per_prefill_token_ms / 1e3, MAX_PREFILL_SHARE)
+        stall_ms = max(self._step_ms(pool, batch + 1, context, prompt) - joined, 0.0)
+        prefill_share = min(replica.prefill_tokens_per_s * stall_ms / prompt / 1e3, MAX_PREFILL_SHARE)
         tpot = joined / tokens_per_step / (1.0 - prefill_share)
+        # The stalls come one prompt at a time: over a short answer, one more or one fewer moves
+        # its TPOT far from the mean. Count them as a Poisson number of prompts like this one.
+        decode_s = tpot * max(output - 1, 1) / 1e3
+        arrivals = replica.prefill_tokens_per_s / prompt * decode_s
+        stalls = _poisson_quantile(arrivals, TAIL_QUANTILE)
+        tpot_tail = joined / tokens_per_step + stalls * stall_ms / max(output - 1, 1)
         stay_steps = math.ceil(output / tokens_per_step)
         stall = prefill_ms(prompt) - decode_ms * math.ceil(prompt / chunk)
         harm = batch * (max(stall, 0.0) + max(joined - decode_ms, 0.0) * stay_steps) if batch else 0.0
@@ -118,4 +127,18 @@ class LatencyModel:
             ttft_ms=ttft * replica.ttft_correction,
             tpot_ms=tpot * replica.tpot_correction,
             harm_ms=harm * replica.tpot_correction,
+            tpot_tail_ms=max(tpot_tail, tpot) * replica.tpot_correction,
         )
+
+
+def _poisson_quantile(mean: float, q: float) -> int:
+    """The smallest k with P(X <= k) >= q for X ~ Poisson(mean)."""
+    if mean <= 0:
+        return 0
+    term = cumulative = math.exp(-mean)
+    k = 0
+    while cumulative < q and k < 1000:
+        k += 1
+        term *= mean / k
+        cumulative += term
+    return k
