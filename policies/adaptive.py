@@ -25,18 +25,9 @@ _GOLDEN = 0.6180339887498949
 class _Option:
     replica: ReplicaState
     prediction: Prediction
-    violation: float
-    """The worse of predicted/target over the request's SLOs: at most 1 means both are met."""
+    chance: float
+    """Predicted probability that the request meets both of its SLOs on this replica."""
     score: float
-
-
-def violation(prediction: Prediction, features: RequestFeatures) -> float:
-    worst = 0.0
-    if features.slo_ttft_ms is not None:
-        worst = max(worst, prediction.ttft_ms / features.slo_ttft_ms)
-    if features.slo_tpot_ms is not None:
-        worst = max(worst, max(prediction.tpot_ms, prediction.tpot_tail_ms) / features.slo_tpot_ms)
-    return worst
 
 
 @dataclass(frozen=True)
@@ -51,13 +42,29 @@ class Adaptive:
     """With shedding on, requests whose x-priority is below this may be refused."""
     retry_after_s: float = 1.0
     slo_margin: float = 0.9
-    """A replica counts as meeting an SLO when predicted at most this share of it: predictions are
-    means, and a request's own latency spreads around them."""
+    """TTFT predicted within this share of its target counts as met for sure; past the target, as
+    missed; in between, the chance falls linearly (predictions are means, latencies spread)."""
+    min_chance: float = 0.5
+    """Below this chance of meeting its SLOs everywhere, a request is served best-effort (or shed)."""
+    tolerance: float = 0.05
+    """Replicas whose chance is within this of the best compete on completion and harm."""
     name: str = "adaptive"
 
     def _explores(self, sequence: int) -> bool:
         # A low-discrepancy sequence: exactly the configured share, evenly spread, no randomness.
         return (sequence * _GOLDEN) % 1.0 < self.exploration
+
+    def chance(self, prediction: Prediction, features: RequestFeatures) -> float:
+        chance = 1.0
+        if features.slo_ttft_ms is not None:
+            ratio = prediction.ttft_ms / features.slo_ttft_ms
+            if ratio > 1.0:
+                return 0.0
+            if ratio > self.slo_margin:
+                chance = (1.0 - ratio) / (1.0 - self.slo_margin)
+        if features.slo_tpot_ms is not None:
+            chance *= self.model.tpot_met_probability(prediction, features.slo_tpot_ms)
+        return chance
 
     def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Decision | Shed | None:
         healthy = snapshot.healthy()
@@ -68,20 +75,21 @@ class Adaptive:
         for replica in healthy:
             p = self.model.predict(replica, features)
             score = p.completion_ms(output) + self.harm_weight * p.harm_ms
-            options.append(_Option(replica, p, violation(p, features), score))
+            options.append(_Option(replica, p, self.chance(p, features), score))
         has_slo = features.slo_ttft_ms is not None or features.slo_tpot_ms is not None
-        feasible = [o for o in options if o.violation <= self.slo_margin]
-        if feasible:
-            best = min(feasible, key=lambda o: o.score)
-            reason = "meets-slo" if has_slo else "fastest"
+        top = max(o.chance for o in options)
+        if not has_slo:
+            best, reason = min(options, key=lambda o: o.score), "fastest"
+        elif top >= self.min_chance:
+            contenders = [o for o in options if o.chance >= top - self.tolerance]
+            best, reason = min(contenders, key=lambda o: o.score), "meets-slo"
             if self._explores(features.sequence):
-                others = [o for o in feasible if o.replica.pool is not best.replica.pool]
+                others = [o for o in contenders if o.replica.pool is not best.replica.pool]
                 if others:
                     best, reason = min(others, key=lambda o: o.score), "explore"
         else:
             if self.shed and features.priority < self.shed_below_priority:
                 return Shed("slo-unattainable", self.retry_after_s)
             # Past saving it, place the request where it costs the others least.
-            best = min(options, key=lambda o: o.score)
-            reason = "best-effort"
+            best, reason = min(options, key=lambda o: o.score), "best-effort"
         return Decision(best.replica, reason, best.prediction.ttft_ms, best.prediction.tpot_ms)

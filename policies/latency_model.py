@@ -30,7 +30,6 @@ from workers.sim.profiles import Profile
 from workers.snapshot import Pool, ReplicaState
 
 MAX_PREFILL_SHARE = 0.9
-TAIL_QUANTILE = 0.9
 DEFAULT_OUTPUT_TOKENS = 256
 """Assumed output length when neither the client, the learned lengths nor max_tokens say more."""
 
@@ -41,8 +40,14 @@ class Prediction:
     tpot_ms: float
     harm_ms: float = 0.0
     """Extra time this request would impose on the requests already on the replica, summed."""
-    tpot_tail_ms: float = 0.0
-    """The TPOT this request sees with a 90% chance or better, counting the prefill stalls."""
+    decode_tpot_ms: float = 0.0
+    """TPOT without prefill stalls: the step time at the joined batch over tokens per step."""
+    stall_ms: float = 0.0
+    """How long one arriving prompt like this one stalls the replica's decoding."""
+    stalls_per_s: float = 0.0
+    """How often prompts arrive at the replica, at its recent rate of prompt tokens."""
+    output_tokens: int = 1
+    """The output length the prediction assumed."""
 
     def completion_ms(self, output_tokens: int) -> float:
         return self.ttft_ms + max(output_tokens - 1, 0) * self.tpot_ms
@@ -114,31 +119,45 @@ class LatencyModel:
         stall_ms = max(self._step_ms(pool, batch + 1, context, prompt) - joined, 0.0)
         prefill_share = min(replica.prefill_tokens_per_s * stall_ms / prompt / 1e3, MAX_PREFILL_SHARE)
         tpot = joined / tokens_per_step / (1.0 - prefill_share)
-        # The stalls come one prompt at a time: over a short answer, one more or one fewer moves
-        # its TPOT far from the mean. Count them as a Poisson number of prompts like this one.
-        decode_s = tpot * max(output - 1, 1) / 1e3
-        arrivals = replica.prefill_tokens_per_s / prompt * decode_s
-        stalls = _poisson_quantile(arrivals, TAIL_QUANTILE)
-        tpot_tail = joined / tokens_per_step + stalls * stall_ms / max(output - 1, 1)
+        correction = replica.tpot_correction
         stay_steps = math.ceil(output / tokens_per_step)
         stall = prefill_ms(prompt) - decode_ms * math.ceil(prompt / chunk)
         harm = batch * (max(stall, 0.0) + max(joined - decode_ms, 0.0) * stay_steps) if batch else 0.0
         return Prediction(
             ttft_ms=ttft * replica.ttft_correction,
-            tpot_ms=tpot * replica.tpot_correction,
-            harm_ms=harm * replica.tpot_correction,
-            tpot_tail_ms=max(tpot_tail, tpot) * replica.tpot_correction,
+            tpot_ms=tpot * correction,
+            harm_ms=harm * correction,
+            decode_tpot_ms=joined / tokens_per_step * correction,
+            stall_ms=stall_ms * correction,
+            stalls_per_s=replica.prefill_tokens_per_s / prompt,
+            output_tokens=output,
         )
 
+    def tpot_met_probability(self, prediction: Prediction, slo_tpot_ms: float) -> float:
+        """The chance this request's TPOT stays within `slo_tpot_ms`.
 
-def _poisson_quantile(mean: float, q: float) -> int:
-    """The smallest k with P(X <= k) >= q for X ~ Poisson(mean)."""
+        The stalls come one prompt at a time: over a short answer, one more or one fewer moves its
+        TPOT far from the mean. They are counted as a Poisson number of prompts like this one
+        arriving while it decodes; the answer meets its TPOT if at most k of them land, with k what
+        the target leaves room for above the stall-free TPOT.
+        """
+        gaps = max(prediction.output_tokens - 1, 1)
+        room_ms = (slo_tpot_ms - prediction.decode_tpot_ms) * gaps
+        if room_ms < 0:
+            return 0.0
+        if prediction.stall_ms <= 0:
+            return 1.0
+        allowed = int(room_ms // prediction.stall_ms)
+        expected = prediction.stalls_per_s * prediction.decode_tpot_ms * gaps / 1e3
+        return _poisson_cdf(allowed, expected)
+
+
+def _poisson_cdf(k: int, mean: float) -> float:
+    """P(X <= k) for X ~ Poisson(mean)."""
     if mean <= 0:
-        return 0
+        return 1.0
     term = cumulative = math.exp(-mean)
-    k = 0
-    while cumulative < q and k < 1000:
-        k += 1
-        term *= mean / k
+    for i in range(1, min(k, 1000) + 1):
+        term *= mean / i
         cumulative += term
-    return k
+    return min(cumulative, 1.0)

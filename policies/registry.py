@@ -42,7 +42,9 @@ def _adaptive(model: LatencyModel, params: Mapping[str, object]) -> Policy:
         shed=shed,
         shed_below_priority=below,
         retry_after_s=_number("adaptive", params, "retry_after_s", 1.0, 0.0, 3600.0),
-        slo_margin=_number("adaptive", params, "slo_margin", 0.9, 0.1, 1.0),
+        slo_margin=_number("adaptive", params, "slo_margin", 0.9, 0.1, 0.999),
+        min_chance=_number("adaptive", params, "min_chance", 0.5, 0.0, 1.0),
+        tolerance=_number("adaptive", params, "tolerance", 0.05, 0.0, 1.0),
     )
 
 
@@ -55,7 +57,18 @@ def _threshold(model: LatencyModel, params: Mapping[str, object]) -> Policy:
 
 _BUILDERS: Mapping[str, tuple[frozenset[str], Callable[[LatencyModel, Mapping[str, object]], Policy]]] = {
     "adaptive": (
-        frozenset({"exploration", "harm_weight", "shed", "shed_below_priority", "retry_after_s", "slo_margin"}),
+        frozenset(
+            {
+                "exploration",
+                "harm_weight",
+                "shed",
+                "shed_below_priority",
+                "retry_after_s",
+                "slo_margin",
+                "min_chance",
+                "tolerance",
+            }
+        ),
         _adaptive,
     ),
     "round-robin": (frozenset(), lambda m, _: RoundRobin(m)),

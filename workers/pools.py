@@ -151,7 +151,9 @@ class Replica:
                     self.tokens_per_step = est.mean_tokens_per_step
             self._last_spec = load.spec
 
-    def state(self, now: float) -> ReplicaState:
+    def state(
+        self, now: float, ttft_correction: float | None = None, tpot_correction: float | None = None
+    ) -> ReplicaState:
         load = self.load
         age = (now - self.scraped_at) if self.scraped_at is not None else None
         fresh = load is not None and age is not None and age <= self.settings.stale_after_s
@@ -172,8 +174,8 @@ class Replica:
             scrape_age_s=age,
             observed_ttft_s=self.observed_ttft_s,
             observed_tpot_s=self.observed_tpot_s,
-            ttft_correction=self.ttft_correction,
-            tpot_correction=self.tpot_correction,
+            ttft_correction=self.ttft_correction if ttft_correction is None else ttft_correction,
+            tpot_correction=self.tpot_correction if tpot_correction is None else tpot_correction,
         )
 
 
@@ -190,7 +192,20 @@ class Fleet:
                 self.replicas[name] = Replica(name, url, pool, settings)
 
     def snapshot(self, now: float) -> Snapshot:
-        return Snapshot(tuple(r.state(now) for r in self.replicas.values()))
+        """Every replica's state; latency corrections are pooled per pool.
+
+        Replicas of one pool run the same engine on the same hardware, so what one teaches about
+        the model holds for all. Per-replica corrections learned from a few noisy requests would
+        make a lucky replica look fast, attract traffic and overload it before it learns better.
+        """
+        corrections = {}
+        for pool in Pool:
+            members = [r for r in self.replicas.values() if r.pool is pool]
+            if members:
+                ttft = math.exp(sum(math.log(r.ttft_correction) for r in members) / len(members))
+                tpot = math.exp(sum(math.log(r.tpot_correction) for r in members) / len(members))
+                corrections[pool] = (ttft, tpot)
+        return Snapshot(tuple(r.state(now, *corrections[r.pool]) for r in self.replicas.values()))
 
     @staticmethod
     def scrape_age(replica: Replica) -> float:
