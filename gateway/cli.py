@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -196,6 +197,85 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser(
+        "offline",
+        help="policies over a trace in the offline simulator",
+        description="Every policy routes the same trace over the same simulated fleet at several loads.",
+    )
+    p.add_argument(
+        "--trace", type=Path, required=True, help="Azure LLM trace CSV, or timestamp_s,input_tokens,output_tokens"
+    )
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--spec-replicas", type=int, default=4)
+    p.add_argument("--plain-replicas", type=int, default=4)
+    p.add_argument(
+        "--policies",
+        default="adaptive,least-loaded,round-robin,threshold,speculative-only,plain-only",
+        help="comma-separated; parameters after a colon, e.g. threshold:max_load=16",
+    )
+    p.add_argument("--rate-scale", type=_float_list, default=(0.5, 1.0, 2.0, 4.0))
+    p.add_argument("--slo-ttft-ms", type=_positive_float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=_positive_float, default=50.0)
+    p.add_argument("--max-requests", type=_positive_int, default=2000)
+    p.add_argument("--hint", choices=["none", "exact"], default="none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1)
+    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.set_defaults(func=_run_bench_offline)
+
+
+def _run_bench_offline(args: argparse.Namespace) -> int:
+    from bench.sweep import SweepSettings, run_sweep, write_outputs
+    from bench.traces import TraceError
+    from policies.registry import POLICY_NAMES
+
+    policies = tuple(p for p in args.policies.split(",") if p)
+    unknown = [p for p in policies if p.partition(":")[0] not in POLICY_NAMES]
+    if unknown or not policies:
+        print(f"specgate bench: unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}", file=sys.stderr)
+        return 2
+    if args.spec_replicas < 0 or args.plain_replicas < 0 or args.spec_replicas + args.plain_replicas < 1:
+        print("specgate bench: the fleet needs at least one replica", file=sys.stderr)
+        return 2
+    settings = SweepSettings(
+        trace=args.trace,
+        profile=args.profile,
+        spec_replicas=args.spec_replicas,
+        plain_replicas=args.plain_replicas,
+        policies=policies,
+        rate_scales=args.rate_scale,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        max_requests=args.max_requests,
+        hint=args.hint == "exact",
+        seed=args.seed,
+        out=args.out,
+        jobs=args.jobs,
+    )
+    try:
+        get_profile(args.profile)
+        results = run_sweep(settings)
+    except (KeyError, OSError, TraceError) as exc:
+        print(f"specgate bench: {exc}", file=sys.stderr)
+        return 2
+    command = "specgate bench offline " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "specgate bench offline"
+    write_outputs(results, args.out, command)
+    print(f"specgate bench: wrote {args.out}/results.json, report.md and plots", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specgate", description="SLA-aware gateway for speculative and plain vLLM pools"
@@ -203,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_sim(sub)
+    _add_bench(sub)
     return parser
 
 
