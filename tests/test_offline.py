@@ -1,0 +1,108 @@
+"""The offline simulator and its command line, on small traces."""
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.offline import Fleetspec, Scenario, attainable, simulate
+from bench.traces import TraceError, TraceRequest, read_trace, scaled
+from gateway.cli import main
+from workers.sim.profiles import A100_CODELLAMA_34B
+
+AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+
+
+def synthetic(n: int = 120, every_s: float = 0.5) -> list[TraceRequest]:
+    return [TraceRequest(i * every_s, 200 + 37 * (i % 13), 20 + 11 * (i % 7)) for i in range(n)]
+
+
+def test_plain_csv_and_azure_csv(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("timestamp_s,input_tokens,output_tokens\n10.5,100,20\n10.0,50,0\n11.0,300,40\n")
+    trace = read_trace(path)
+    assert trace == [TraceRequest(0.0, 100, 20), TraceRequest(0.5, 300, 40)]  # empty outputs dropped
+    if AZURE.exists():
+        azure = read_trace(AZURE, limit=50)
+        assert len(azure) == 50
+        assert azure[0].arrival_s == 0.0
+        assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(azure))
+
+
+@pytest.mark.parametrize("text", ["a,b,c\n1,2,3\n", "timestamp_s,input_tokens,output_tokens\nx,1,1\n", ""])
+def test_bad_traces(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text(text)
+    with pytest.raises(TraceError):
+        read_trace(path)
+
+
+def test_scaling_compresses_arrivals() -> None:
+    assert [r.arrival_s for r in scaled(synthetic(3), 2.0)] == [0.0, 0.25, 0.5]
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "least-loaded", "threshold", "plain-only"])
+def test_every_request_is_served_or_shed_and_runs_repeat(policy: str) -> None:
+    scenario = Scenario(A100_CODELLAMA_34B, Fleetspec(2, 2), policy, slo_ttft_ms=2000, slo_tpot_ms=50)
+    first = simulate(synthetic(), scenario)
+    assert first.requests == 120
+    assert len(first.served) + first.shed == 120
+    summary = first.summary()
+    assert 0.0 <= summary["slo_attainment"] <= 1.0
+    assert simulate(synthetic(), scenario).summary() == summary  # deterministic
+    if policy == "plain-only":
+        assert summary["spec_share"] == 0.0
+
+
+def test_load_hurts_and_the_true_length_helps_no_worse() -> None:
+    scenario = Scenario(A100_CODELLAMA_34B, Fleetspec(1, 1), "adaptive", slo_ttft_ms=1500, slo_tpot_ms=45)
+    light = simulate(synthetic(every_s=2.0), scenario).summary()
+    heavy = simulate(synthetic(every_s=0.05), scenario).summary()
+    assert heavy["slo_attainment"] < light["slo_attainment"]
+    assert heavy["ttft_p99_ms"] > light["ttft_p99_ms"]
+
+
+def test_clairvoyant_bound() -> None:
+    trace = synthetic()
+    assert attainable(trace, A100_CODELLAMA_34B, None, None) == 1.0
+    assert attainable(trace, A100_CODELLAMA_34B, 10.0, None) == 0.0  # no prefill is that fast
+    assert 0.0 < attainable(trace, A100_CODELLAMA_34B, 2000.0, 20.0) <= 1.0  # only speculation meets 20 ms
+
+
+def test_bench_offline_command_writes_results_report_and_plots(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "timestamp_s,input_tokens,output_tokens\n" + "".join(f"{i * 0.3},{300 + i},{30 + i % 50}\n" for i in range(60))
+    )
+    out = tmp_path / "out"
+    code = main(
+        ["bench", "offline", "--trace", str(trace), "--policies", "adaptive,least-loaded,threshold:max_load=4",
+         "--rate-scale", "1,4", "--spec-replicas", "1", "--plain-replicas", "1", "--jobs", "1", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    labels = {(r["policy"], r["rate_scale"]) for r in results["runs"]}
+    expected = {"adaptive", "least-loaded", "threshold:max_load=4", "all-plain fleet", "all-speculative fleet"}
+    assert labels == {(p, s) for p in expected for s in (1.0, 4.0)}
+    for run in results["runs"]:
+        assert set(run) >= {"policy", "fleet", "rate_scale", "requests", "slo_attainment", "goodput_rps",
+                            "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms",
+                            "e2e_p99_ms", "spec_share", "shed"}  # fmt: skip
+    assert 0.0 <= results["bound"]["slo_attainment"] <= 1.0
+    assert "| adaptive |" in (out / "report.md").read_text()
+    assert (out / "t_attainment.png").stat().st_size > 10_000
+    assert (out / "t_ttft_p99.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "args", [["--policies", "magic"], ["--rate-scale", "0"], ["--spec-replicas", "0", "--plain-replicas", "0"]]
+)
+def test_bench_offline_refuses_bad_arguments(tmp_path: Path, args: list[str]) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("timestamp_s,input_tokens,output_tokens\n0,10,10\n")
+    try:
+        code = main(["bench", "offline", "--trace", str(trace), "--out", str(tmp_path / "o"), *args])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    assert code == 2
