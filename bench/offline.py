@@ -73,16 +73,17 @@ class Served:
     prompt_tokens: int
     output_tokens: int
 
-    def meets(self, scenario: Scenario) -> bool:
-        if scenario.slo_ttft_ms is not None and self.ttft_s * 1e3 > scenario.slo_ttft_ms:
+    def meets(self, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+        if slo_ttft_ms is not None and self.ttft_s * 1e3 > slo_ttft_ms:
             return False
         tpot_ms = self.tpot_s * 1e3 if self.tpot_s is not None else None
-        return not (scenario.slo_tpot_ms is not None and tpot_ms is not None and tpot_ms > scenario.slo_tpot_ms)
+        return not (slo_tpot_ms is not None and tpot_ms is not None and tpot_ms > slo_tpot_ms)
 
 
 @dataclass(frozen=True)
 class RunResult:
-    scenario: Scenario
+    slo_ttft_ms: float | None
+    slo_tpot_ms: float | None
     served: tuple[Served, ...]
     shed: int
     span_s: float
@@ -92,7 +93,7 @@ class RunResult:
         return len(self.served) + self.shed
 
     def summary(self) -> dict[str, float | int]:
-        met = sum(s.meets(self.scenario) for s in self.served)
+        met = sum(s.meets(self.slo_ttft_ms, self.slo_tpot_ms) for s in self.served)
         ttft = [s.ttft_s * 1e3 for s in self.served]
         tpot = [s.tpot_s * 1e3 for s in self.served if s.tpot_s is not None]
         e2e = [s.e2e_s * 1e3 for s in self.served]
@@ -247,7 +248,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             scrape(now)
             heapq.heappush(events, (now + scenario.scrape_interval_s, next(order), "scrape", None))
     span = requests[-1].arrival_s - requests[0].arrival_s if len(requests) > 1 else 1.0
-    return RunResult(scenario, tuple(served), shed, span)
+    return RunResult(scenario.slo_ttft_ms, scenario.slo_tpot_ms, tuple(served), shed, span)
 
 
 def attainable(

@@ -209,6 +209,7 @@ def _float_list(text: str) -> tuple[float, ...]:
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    _add_replay(bench)
     p = bench.add_parser(
         "offline",
         help="policies over a trace in the offline simulator",
@@ -273,6 +274,62 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
     command = "specgate bench offline " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "specgate bench offline"
     write_outputs(results, args.out, command)
     print(f"specgate bench: wrote {args.out}/results.json, report.md and plots", file=sys.stderr)
+    return 0
+
+
+def _add_replay(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = bench.add_parser(
+        "replay",
+        help="a trace through a running gateway, in real time",
+        description="Send a trace through a gateway in real time and measure from the client side.",
+    )
+    p.add_argument("--trace", type=Path, required=True)
+    p.add_argument("--gateway", required=True, help="the gateway's base URL")
+    p.add_argument("--rate-scale", type=_positive_float, default=1.0)
+    p.add_argument("--time-scale", type=_positive_float, default=1.0, help="the replicas' --time-scale")
+    p.add_argument("--slo-ttft-ms", type=_positive_float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=_positive_float, default=50.0)
+    p.add_argument("--max-requests", type=_positive_int, default=500)
+    p.add_argument("--hint", choices=["none", "exact"], default="none")
+    p.add_argument("--label", default="gateway", help="the name of this run in the results")
+    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.set_defaults(func=_run_bench_replay)
+
+
+def _run_bench_replay(args: argparse.Namespace) -> int:
+    import json
+
+    import aiohttp
+
+    from bench.replay import ReplaySettings, replay
+    from bench.traces import TraceError, read_trace, scaled
+
+    async def run() -> dict[str, object]:
+        """The run's summary, in the shape of the offline simulator's runs."""
+        trace = scaled(read_trace(args.trace, args.max_requests), args.rate_scale)
+        async with aiohttp.ClientSession() as session, session.get(f"{args.gateway}/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        settings = ReplaySettings(
+            args.gateway.rstrip("/"), model, args.time_scale, args.slo_ttft_ms, args.slo_tpot_ms, args.hint == "exact"
+        )
+        result, failed = await replay(trace, settings)
+        return {
+            "policy": args.label,
+            "fleet": "gateway",
+            "rate_scale": args.rate_scale,
+            **result.summary(),
+            "failed": failed,
+        }
+
+    try:
+        summary = asyncio.run(run())
+    except (OSError, TraceError, aiohttp.ClientError, KeyError, ValueError) as exc:
+        print(f"specgate bench replay: {exc}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"replay-{args.label}-x{args.rate_scale:g}.json"
+    path.write_text(json.dumps({"trace": args.trace.name, "runs": [summary]}, indent=2))
+    print(json.dumps(summary, indent=2))
     return 0
 
 

@@ -36,6 +36,7 @@ from policies.features import RequestFeatures
 from policies.length import LengthStats
 from policies.registry import RoutingPlan
 from workers.pools import Fleet, Replica
+from workers.tokens import completion_tokens
 
 # Connection-level headers (RFC 9110 section 7.6.1) and the ones aiohttp sets itself.
 _HOP_BY_HOP = frozenset(
@@ -243,7 +244,7 @@ class Relay:
             raise UpstreamTimeout(f"replica {replica.name} stopped sending its answer") from None
         # The client sees nothing before the whole answer: its first byte is the end.
         outcome.ttft_s = time.monotonic() - started
-        outcome.completion_tokens = _completion_tokens(body)
+        outcome.completion_tokens = completion_tokens(body)
         return web.Response(status=upstream.status, body=body, headers=_response_headers(upstream, route))
 
     async def _stream(
@@ -287,7 +288,7 @@ class Relay:
         await response.write_eof()
         if first_at:
             outcome.ttft_s = first_at - started
-            outcome.completion_tokens = _completion_tokens(previous + last)
+            outcome.completion_tokens = completion_tokens(previous + last)
             tokens = outcome.completion_tokens or max(events - 2, 0)
             if tokens > 1:
                 outcome.tpot_s = (watchdog.last - first_at) / (tokens - 1)
@@ -379,18 +380,3 @@ def _response_headers(upstream: aiohttp.ClientResponse, route: dict[str, str]) -
         out.add(name, value)
     out.update(route)
     return out
-
-
-_COMPLETION_TOKENS = b'"completion_tokens":'
-
-
-def _completion_tokens(data: bytes) -> int | None:
-    """The last `completion_tokens` in a response body or stream tail, without parsing the JSON."""
-    at = data.rfind(_COMPLETION_TOKENS)
-    if at < 0:
-        return None
-    digits = data[at + len(_COMPLETION_TOKENS) : at + len(_COMPLETION_TOKENS) + 24].lstrip()
-    end = 0
-    while end < len(digits) and 48 <= digits[end] <= 57:
-        end += 1
-    return int(digits[:end]) if end else None

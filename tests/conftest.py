@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from workers import launch
@@ -79,3 +81,17 @@ def sim_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[.
     yield factory
     for sim in started:
         stop_process(sim.proc)
+
+
+@contextlib.asynccontextmanager
+async def running_app(app: web.Application) -> AsyncIterator[str]:
+    """Serve an application in this event loop on a free port; yield its base URL."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()

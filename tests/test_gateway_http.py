@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import make_app
 from gateway.config import GatewaySettings, PolicySettings, Timeouts
-from tests.conftest import SimProcess
+from tests.conftest import SimProcess, running_app
 from workers import launch
 from workers.pools import FleetSettings
 from workers.snapshot import Pool
@@ -51,20 +51,6 @@ def settings_for(pools: dict[Pool, list[str]], **changes: Any) -> GatewaySetting
         fleet=FleetSettings(scrape_interval_s=0.05),
     )
     return dataclasses.replace(base, **changes)
-
-
-@contextlib.asynccontextmanager
-async def running_app(app: web.Application) -> AsyncIterator[str]:
-    """Serve an application in this event loop on a free port; yield its base URL."""
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
 
 
 def running_gateway(settings: GatewaySettings) -> contextlib.AbstractAsyncContextManager[str]:

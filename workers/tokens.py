@@ -44,3 +44,18 @@ def completion_prompt_tokens(prompt: str | list[int]) -> int:
     if isinstance(prompt, str):
         return max(text_tokens(prompt), 1)
     return len(prompt)
+
+
+_COMPLETION_TOKENS = b'"completion_tokens":'
+
+
+def completion_tokens(data: bytes) -> int | None:
+    """The last `completion_tokens` in a response body or stream tail, found without parsing JSON."""
+    at = data.rfind(_COMPLETION_TOKENS)
+    if at < 0:
+        return None
+    digits = data[at + len(_COMPLETION_TOKENS) : at + len(_COMPLETION_TOKENS) + 24].lstrip()
+    end = 0
+    while end < len(digits) and 48 <= digits[end] <= 57:
+        end += 1
+    return int(digits[:end]) if end else None

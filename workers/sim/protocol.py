@@ -14,6 +14,8 @@ from typing import Any
 
 from workers.tokens import chat_prompt_tokens, completion_prompt_tokens
 
+SCRIPTED_OUTPUT_FIELD = "specgate_sim_output_tokens"
+
 
 class Endpoint(StrEnum):
     CHAT = "chat"
@@ -51,6 +53,9 @@ class GenerationRequest:
     max_tokens_param: int | None
     min_tokens: int
     ignore_eos: bool
+    scripted_output_tokens: int | None
+    """`specgate_sim_output_tokens`: how long the answer is, set by a trace replay. The gateway
+    never reads it, so the replica learns the true length without the router seeing it."""
     stream: bool
     include_usage: bool
     continuous_usage: bool
@@ -105,6 +110,9 @@ def parse_request(endpoint: Endpoint, body: Any, served_model: str, max_model_le
     if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
         raise SimRequestError("min_tokens must be between 0 and max_tokens", param="min_tokens")
     ignore_eos = bool(_opt(body, "ignore_eos", bool, "a boolean"))
+    scripted = _opt(body, SCRIPTED_OUTPUT_FIELD, int, "an integer")
+    if scripted is not None and scripted < 1:
+        raise SimRequestError(f"{SCRIPTED_OUTPUT_FIELD} must be at least 1", param=SCRIPTED_OUTPUT_FIELD)
     stream = bool(_opt(body, "stream", bool, "a boolean"))
     options = _opt(body, "stream_options", dict, "an object")
     if options is not None and not stream:
@@ -132,6 +140,7 @@ def parse_request(endpoint: Endpoint, body: Any, served_model: str, max_model_le
         max_tokens_param=max_tokens,
         min_tokens=min_tokens,
         ignore_eos=ignore_eos,
+        scripted_output_tokens=scripted,
         stream=stream,
         include_usage=include_usage,
         continuous_usage=bool(continuous),

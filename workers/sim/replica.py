@@ -68,7 +68,10 @@ class Replica:
         return max(wall, self.engine.now)
 
     def submit(self, request: GenerationRequest) -> Submission:
-        if request.ignore_eos:
+        if request.scripted_output_tokens is not None:
+            length = min(request.scripted_output_tokens, request.max_tokens)
+            reason = FinishReason.LENGTH if length >= request.max_tokens else FinishReason.STOP
+        elif request.ignore_eos:
             length, reason = request.max_tokens, FinishReason.LENGTH
         else:
             length = max(draw_output_length(self._rng, request.max_tokens), request.min_tokens)
