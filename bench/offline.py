@@ -277,6 +277,6 @@ def attainable(
 def _idle(pool: Pool) -> ReplicaState:
     return ReplicaState(
         name="idle", url="", pool=pool, healthy=True, in_flight=0, prefilling=0, prefill_tokens=0,
-        prefill_tokens_per_s=0.0, dispatched_since_scrape=0, running=0.0, waiting=0.0, kv_usage=0.0,
+        prefill_tokens_per_s=0.0, arrivals_per_s=0.0, dispatched_since_scrape=0, running=0.0, waiting=0.0, kv_usage=0.0,
         tokens_per_step=None, scrape_age_s=0.0, observed_ttft_s=None, observed_tpot_s=None,
     )  # fmt: skip

@@ -19,7 +19,8 @@ def replica(
 ) -> ReplicaState:
     return ReplicaState(
         name=name, url=f"http://{name}", pool=pool, healthy=healthy, in_flight=in_flight, prefilling=0,
-        prefill_tokens=0, prefill_tokens_per_s=0.0, dispatched_since_scrape=0, running=running,
+        prefill_tokens=0, prefill_tokens_per_s=0.0, arrivals_per_s=0.0,
+        dispatched_since_scrape=0, running=running,
         waiting=0.0 if running is not None else None, kv_usage=None, tokens_per_step=None, scrape_age_s=None,
         observed_ttft_s=None, observed_tpot_s=None,
     )  # fmt: skip

@@ -80,6 +80,7 @@ class Replica:
         self.ttft_correction = 1.0
         self.tpot_correction = 1.0
         self._prefill_rate_sum = 0.0
+        self._arrival_rate_sum = 0.0
         self._prefill_rate_at = 0.0
         self._dispatched_at_scrape = 0
         self._last_spec: SpecCounters | None = None
@@ -92,11 +93,13 @@ class Replica:
         self.prefilling += 1
         self.prefill_tokens += prompt_tokens
         if now is not None:
-            self._prefill_rate_sum = self._decayed_rate_sum(now) + prompt_tokens
+            decay = self._decay(now)
+            self._prefill_rate_sum = self._prefill_rate_sum * decay + prompt_tokens
+            self._arrival_rate_sum = self._arrival_rate_sum * decay + 1.0
             self._prefill_rate_at = now
 
-    def _decayed_rate_sum(self, now: float) -> float:
-        return self._prefill_rate_sum * math.exp(-max(now - self._prefill_rate_at, 0.0) / self.settings.rate_window_s)
+    def _decay(self, now: float) -> float:
+        return math.exp(-max(now - self._prefill_rate_at, 0.0) / self.settings.rate_window_s)
 
     def first_byte(self, prompt_tokens: int = 0) -> None:
         self.prefilling -= 1
@@ -165,7 +168,8 @@ class Replica:
             in_flight=self.in_flight,
             prefilling=self.prefilling,
             prefill_tokens=self.prefill_tokens,
-            prefill_tokens_per_s=self._decayed_rate_sum(now) / self.settings.rate_window_s,
+            prefill_tokens_per_s=self._prefill_rate_sum * self._decay(now) / self.settings.rate_window_s,
+            arrivals_per_s=self._arrival_rate_sum * self._decay(now) / self.settings.rate_window_s,
             dispatched_since_scrape=self.dispatched - self._dispatched_at_scrape,
             running=load.running if fresh and load else None,
             waiting=load.waiting if fresh and load else None,

@@ -32,6 +32,8 @@ class ReplicaState:
     """The prompt tokens of those requests: prefill work queued ahead of a newcomer."""
     prefill_tokens_per_s: float
     """Prompt tokens sent to the replica per second, smoothed: the prefill that will interrupt decoding."""
+    arrivals_per_s: float
+    """Requests sent to the replica per second, smoothed: how often decoding is interrupted."""
     dispatched_since_scrape: int
     """Requests sent there since the scrape the load figures below come from."""
     running: float | None
