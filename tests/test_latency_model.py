@@ -40,7 +40,7 @@ def test_idle_predictions_match_the_engine(profile: Profile, mode: Mode) -> None
     [
         ({"in_flight": 40}, "up", "up", "up"),  # a busier batch: slower steps, more requests to harm
         ({"prefill_tokens": 8000, "prefilling": 8}, "up", "same", "same"),  # queued prompts: later first token
-        ({"prefill_tokens_per_s": 5000.0}, "same", "up", "same"),  # arriving prompts stall decoding
+        ({"prefill_tokens_per_s": 5000.0, "arrivals_per_s": 10.0}, "same", "up", "same"),  # arriving prompts stall
         ({"ttft_correction": 1.3}, "up", "same", "same"),
         ({"tpot_correction": 0.7}, "same", "down", "down"),
     ],
@@ -68,7 +68,7 @@ def test_observed_tokens_per_step_replace_the_profiles() -> None:
 def test_tpot_met_probability(slo: float, stall_rate: float, low: float, high: float) -> None:
     model = LatencyModel(A100_CODELLAMA_34B)
     short = replace(FEATURES, expected_output_tokens=20)
-    p = model.predict(idle(Pool.PLAIN, prefill_tokens_per_s=stall_rate * 512), short)
+    p = model.predict(idle(Pool.PLAIN, prefill_tokens_per_s=stall_rate * 512, arrivals_per_s=stall_rate), short)
     assert low <= model.tpot_met_probability(p, slo) <= high
 
 
