@@ -185,6 +185,25 @@ async def test_bad_requests_get_openai_errors(
     assert payload["error"]["param"] == param
 
 
+@pytest.mark.parametrize(("priority", "status"), [("-1", 429), ("0", 200)])
+async def test_adaptive_sheds_hopeless_low_priority_requests(
+    fleet: dict[Pool, list[SimProcess]], priority: str, status: int
+) -> None:
+    policy = PolicySettings(name="adaptive", params={"shed": True, "shed_below_priority": 0, "retry_after_s": 3})
+    hopeless = {"x-slo-tpot-ms": "1", "x-priority": priority}
+    async with (
+        running_gateway(settings_for(urls(fleet), policy=policy)) as url, aiohttp.ClientSession() as session,
+        session.post(f"{url}/v1/chat/completions", data=GOOD, headers=hopeless) as r,
+    ):
+        assert r.status == status
+        body = await r.json()
+        if status == 429:
+            assert r.headers["Retry-After"] == "3"
+            assert body["error"]["code"] == "slo_unattainable"
+        else:
+            assert r.headers["x-route-reason"] == "best-effort"
+
+
 async def test_replica_errors_pass_through_unchanged(gateway: str, fleet: dict[Pool, list[SimProcess]]) -> None:
     too_long = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6})
     direct = await post(fleet[Pool.PLAIN][0].url, too_long.encode())
