@@ -192,7 +192,8 @@ async def test_adaptive_sheds_hopeless_low_priority_requests(
     policy = PolicySettings(name="adaptive", params={"shed": True, "shed_below_priority": 0, "retry_after_s": 3})
     hopeless = {"x-slo-tpot-ms": "1", "x-priority": priority}
     async with (
-        running_gateway(settings_for(urls(fleet), policy=policy)) as url, aiohttp.ClientSession() as session,
+        running_gateway(settings_for(urls(fleet), policy=policy)) as url,
+        aiohttp.ClientSession() as session,
         session.post(f"{url}/v1/chat/completions", data=GOOD, headers=hopeless) as r,
     ):
         assert r.status == status
