@@ -22,7 +22,7 @@ profile that is off converges to what the replica really does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from policies.features import RequestFeatures
 from workers.sim.costs import Batch
@@ -30,6 +30,8 @@ from workers.sim.profiles import Profile
 from workers.snapshot import Pool, ReplicaState
 
 MAX_PREFILL_SHARE = 0.9
+CONTEXT_QUANTUM = 32
+MEMO_SIZE = 65536
 DEFAULT_OUTPUT_TOKENS = 256
 """Assumed output length when neither the client, the learned lengths nor max_tokens say more."""
 
@@ -58,6 +60,10 @@ class LatencyModel:
     profile: Profile
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    _memo: dict[tuple[Pool, int, int, int], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+    """Step times already priced: a pure function's results, kept to save the arithmetic."""
 
     def expected_output(self, features: RequestFeatures) -> int:
         if features.expected_output_tokens is not None:
@@ -69,6 +75,17 @@ class LatencyModel:
         return max(expected, 1)
 
     def _step_ms(self, pool: Pool, decode_seqs: int, context: float, prefill_tokens: int = 0) -> float:
+        # Contexts within a few tokens cost the same to a fraction of a percent: round them so
+        # that the same few steps are priced once, not for every request and every replica.
+        key = (pool, decode_seqs, round(context / CONTEXT_QUANTUM), prefill_tokens)
+        ms = self._memo.get(key)
+        if ms is None:
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            ms = self._memo[key] = self._priced_step(pool, decode_seqs, key[2] * CONTEXT_QUANTUM, prefill_tokens)
+        return ms
+
+    def _priced_step(self, pool: Pool, decode_seqs: int, context: float, prefill_tokens: int) -> float:
         """One engine step: target forward, CPU overhead and, when speculating, the drafts."""
         steps, spec = self.profile.steps, self.profile.spec
         speculative = pool is Pool.SPECULATIVE

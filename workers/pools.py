@@ -158,6 +158,7 @@ class Replica:
         self, now: float, ttft_correction: float | None = None, tpot_correction: float | None = None
     ) -> ReplicaState:
         load = self.load
+        decay = self._decay(now)
         age = (now - self.scraped_at) if self.scraped_at is not None else None
         fresh = load is not None and age is not None and age <= self.settings.stale_after_s
         return ReplicaState(
@@ -168,8 +169,8 @@ class Replica:
             in_flight=self.in_flight,
             prefilling=self.prefilling,
             prefill_tokens=self.prefill_tokens,
-            prefill_tokens_per_s=self._prefill_rate_sum * self._decay(now) / self.settings.rate_window_s,
-            arrivals_per_s=self._arrival_rate_sum * self._decay(now) / self.settings.rate_window_s,
+            prefill_tokens_per_s=self._prefill_rate_sum * decay / self.settings.rate_window_s,
+            arrivals_per_s=self._arrival_rate_sum * decay / self.settings.rate_window_s,
             dispatched_since_scrape=self.dispatched - self._dispatched_at_scrape,
             running=load.running if fresh and load else None,
             waiting=load.waiting if fresh and load else None,
@@ -202,14 +203,14 @@ class Fleet:
         the model holds for all. Per-replica corrections learned from a few noisy requests would
         make a lucky replica look fast, attract traffic and overload it before it learns better.
         """
-        corrections = {}
-        for pool in Pool:
-            members = [r for r in self.replicas.values() if r.pool is pool]
-            if members:
-                ttft = math.exp(sum(math.log(r.ttft_correction) for r in members) / len(members))
-                tpot = math.exp(sum(math.log(r.tpot_correction) for r in members) / len(members))
-                corrections[pool] = (ttft, tpot)
-        return Snapshot(tuple(r.state(now, *corrections[r.pool]) for r in self.replicas.values()))
+        sums: dict[Pool, list[float]] = {}
+        for r in self.replicas.values():
+            total = sums.setdefault(r.pool, [0.0, 0.0, 0])
+            total[0] += r.ttft_correction
+            total[1] += r.tpot_correction
+            total[2] += 1
+        pooled = {pool: (ttft / n, tpot / n) for pool, (ttft, tpot, n) in sums.items()}
+        return Snapshot(tuple(r.state(now, *pooled[r.pool]) for r in self.replicas.values()))
 
     @staticmethod
     def scrape_age(replica: Replica) -> float:
