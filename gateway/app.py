@@ -48,8 +48,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
     metrics = GatewayMetrics(fleet, plan.version)
-    relay = Relay(settings, fleet, session, metrics)
-    relay.plan = plan
+    relay = Relay(settings, fleet, session, metrics, plan)
     app[SESSION], app[FLEET], app[METRICS], app[RELAY] = session, fleet, metrics, relay
     # One round of scrapes before serving, so a gateway in front of live replicas is ready at once.
     await asyncio.gather(*(fleet.scrape_once(session, r) for r in fleet.replicas.values()))

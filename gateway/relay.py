@@ -64,13 +64,19 @@ class Outcome:
 
 class Relay:
     def __init__(
-        self, settings: GatewaySettings, fleet: Fleet, session: aiohttp.ClientSession, metrics: GatewayMetrics
+        self,
+        settings: GatewaySettings,
+        fleet: Fleet,
+        session: aiohttp.ClientSession,
+        metrics: GatewayMetrics,
+        plan: RoutingPlan,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
         self.session = session
         self.metrics = metrics
-        self.plan: RoutingPlan | None = None
+        self.plan = plan
+        """The plan in force; a new one is swapped in with one assignment."""
         self.lengths = LengthStats()
         self._sequence = itertools.count()
 
@@ -95,8 +101,7 @@ class Relay:
             priority=headers.priority,
             sequence=next(self._sequence),
         )
-        plan = self.plan
-        assert plan is not None, "the routing plan is set at start-up"
+        plan = self.plan  # one plan routes the whole request, even if a new one is swapped in meanwhile
         upstream_headers = self._upstream_headers(request, headers.request_id)
         tried: set[str] = set()
         failure: GatewayError | None = None
