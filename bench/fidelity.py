@@ -14,7 +14,8 @@ from pathlib import Path
 
 from workers.acceptance import Acceptance, SpecCounters, acceptance
 from workers.sim.costs import TableStepModel
-from workers.sim.engine import Engine, EngineConfig, FinishedRequest, Mode
+from workers.sim.engine import Engine, EngineConfig, Mode
+from workers.sim.outcomes import FinishedRequest
 from workers.sim.profiles import A100_CODELLAMA_34B, WHITEPAPER, Profile
 
 

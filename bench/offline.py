@@ -27,7 +27,8 @@ from policies.registry import RoutingPlan, build_policy
 from workers.acceptance import SpecCounters
 from workers.pools import Fleet, FleetSettings
 from workers.scrape import VllmLoad
-from workers.sim.engine import Engine, EngineConfig, Mode, StepResult
+from workers.sim.engine import Engine, EngineConfig, Mode
+from workers.sim.outcomes import StepResult
 from workers.sim.profiles import Profile
 from workers.snapshot import Pool, ReplicaState
 

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.fidelity import acceptance_after_run
-from workers.sim.engine import Engine, EngineConfig, FinishReason, Mode, StepResult
+from workers.sim.engine import Engine, EngineConfig, Mode
+from workers.sim.outcomes import FinishReason, StepResult
 from workers.sim.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B, Profile
 
 PROFILE = A100_CODELLAMA_34B

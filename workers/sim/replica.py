@@ -14,8 +14,9 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from workers.sim.engine import Engine, EngineConfig, FinishReason, Mode, TokenOutput
+from workers.sim.engine import Engine, EngineConfig, Mode
 from workers.sim.metrics import VllmMetrics
+from workers.sim.outcomes import FinishReason, TokenOutput
 from workers.sim.profiles import Profile
 from workers.sim.protocol import GenerationRequest
 from workers.sim.text import Words, draw_output_length
