@@ -165,9 +165,6 @@ class Engine:
         """Let virtual time pass while idle (never moves the clock back)."""
         self.now = max(self.now, t)
 
-    def max_tokens_for(self, prompt_tokens: int) -> int:
-        return max(self.profile.max_model_len - prompt_tokens, 0)
-
     def add_request(
         self,
         request_id: str,
