@@ -12,6 +12,7 @@ cap, and only the `exact` hint scenario hands the true length over as the client
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import statistics
@@ -25,7 +26,7 @@ from policies.latency_model import LatencyModel
 from policies.length import LengthStats
 from policies.registry import RoutingPlan, build_policy
 from workers.acceptance import SpecCounters
-from workers.pools import Fleet, FleetSettings
+from workers.pools import Fleet, FleetSettings, Replica
 from workers.scrape import VllmLoad
 from workers.sim.engine import Engine, EngineConfig, Mode
 from workers.sim.outcomes import StepResult
@@ -276,8 +277,5 @@ def attainable(
 
 
 def _idle(pool: Pool) -> ReplicaState:
-    return ReplicaState(
-        name="idle", url="", pool=pool, healthy=True, in_flight=0, prefilling=0, prefill_tokens=0,
-        prefill_tokens_per_s=0.0, arrivals_per_s=0.0, dispatched_since_scrape=0, running=0.0, waiting=0.0, kv_usage=0.0,
-        tokens_per_step=None, scrape_age_s=0.0, observed_ttft_s=None, observed_tpot_s=None,
-    )  # fmt: skip
+    """A replica with nothing on it, as the gateway would see one."""
+    return dataclasses.replace(Replica("idle", "", pool, FleetSettings()).state(0.0), healthy=True)
