@@ -156,9 +156,10 @@ class LatencyModel:
         """The chance this request's TPOT stays within `slo_tpot_ms`.
 
         The stalls come one prompt at a time: over a short answer, one more or one fewer moves its
-        TPOT far from the mean. They are counted as a Poisson number of prompts like this one
-        arriving while it decodes; the answer meets its TPOT if at most k of them land, with k what
-        the target leaves room for above the stall-free TPOT.
+        TPOT far from the mean. They are counted as a Poisson number of prompts arriving while it
+        waits for its first token (those queue behind it and are prefilled as it starts decoding)
+        and while it decodes; the answer meets its TPOT if at most k of them land, with k what the
+        target leaves room for above the stall-free TPOT.
         """
         gaps = max(prediction.output_tokens - 1, 1)
         room_ms = (slo_tpot_ms - prediction.decode_tpot_ms) * gaps
@@ -167,7 +168,8 @@ class LatencyModel:
         if prediction.stall_ms <= 0:
             return 1.0
         allowed = int(room_ms // prediction.stall_ms)
-        expected = prediction.stalls_per_s * prediction.decode_tpot_ms * gaps / 1e3
+        exposed_ms = prediction.ttft_ms + prediction.decode_tpot_ms * gaps
+        expected = prediction.stalls_per_s * exposed_ms / 1e3
         return _poisson_cdf(allowed, expected)
 
 
