@@ -222,12 +222,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             request, _, decision = routed.pop(done.request_id)
             replica.finished(got_first_byte=True)
             assert done.ttft is not None
-            replica.observe(
-                done.ttft,
-                done.tpot,
-                decision.predicted_ttft_ms / 1e3 if decision.predicted_ttft_ms is not None else None,
-                decision.predicted_tpot_ms / 1e3 if decision.predicted_tpot_ms is not None else None,
-            )
+            replica.observe(done.ttft, done.tpot, *decision.predicted_s)
             lengths.observe(MODEL, request.prompt_tokens, done.output_tokens)
             served.append(
                 Served(done.ttft, done.tpot, done.e2e, replica.pool, request.prompt_tokens, request.output_tokens)

@@ -73,11 +73,9 @@ async def _one(session: aiohttp.ClientSession, settings: ReplaySettings, request
             return response.status
         pool = Pool(response.headers["x-route-pool"])
         async for chunk in response.content.iter_any():
-            now = time.monotonic()
-            if not first and b'"content":"' in chunk:
-                first = now
             if b'"content":"' in chunk:
-                last = now
+                last = time.monotonic()
+                first = first or last
             tail = (tail + chunk)[-4096:]
     tokens = completion_tokens(tail) or request.output_tokens
     scale = settings.time_scale

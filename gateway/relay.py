@@ -309,12 +309,7 @@ class Relay:
         if outcome.completion_tokens is not None:
             self.lengths.observe(features.model, features.prompt_tokens, outcome.completion_tokens)
         if outcome.streamed:
-            replica.observe(
-                outcome.ttft_s,
-                outcome.tpot_s,
-                decision.predicted_ttft_ms / 1e3 if decision.predicted_ttft_ms is not None else None,
-                decision.predicted_tpot_ms / 1e3 if decision.predicted_tpot_ms is not None else None,
-            )
+            replica.observe(outcome.ttft_s, outcome.tpot_s, *decision.predicted_s)
             if outcome.ttft_s is not None:
                 self.metrics.ttft.labels(pool).observe(outcome.ttft_s)
                 if decision.predicted_ttft_ms is not None:

@@ -17,6 +17,12 @@ class Decision:
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
 
+    @property
+    def predicted_s(self) -> tuple[float | None, float | None]:
+        """The predicted TTFT and TPOT in seconds, as observations are recorded."""
+        ttft, tpot = self.predicted_ttft_ms, self.predicted_tpot_ms
+        return (ttft / 1e3 if ttft is not None else None, tpot / 1e3 if tpot is not None else None)
+
 
 @dataclass(frozen=True)
 class Shed:
