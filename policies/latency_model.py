@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from policies.features import RequestFeatures
+from policies.length import PRIORS, band
 from workers.sim.costs import Batch
 from workers.sim.profiles import Profile
 from workers.snapshot import Pool, ReplicaState
@@ -32,8 +33,6 @@ from workers.snapshot import Pool, ReplicaState
 MAX_PREFILL_SHARE = 0.9
 CONTEXT_QUANTUM = 32
 MEMO_SIZE = 65536
-DEFAULT_OUTPUT_TOKENS = 256
-"""Assumed output length when neither the client, the learned lengths nor max_tokens say more."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class LatencyModel:
         if features.expected_output_tokens is not None:
             expected = features.expected_output_tokens
         else:
-            expected = DEFAULT_OUTPUT_TOKENS
+            expected = PRIORS[band(features.prompt_tokens)]
         if features.max_tokens is not None:
             expected = min(expected, features.max_tokens)
         return max(expected, 1)
