@@ -4,9 +4,10 @@ Each request is a streamed chat completion whose prompt has the trace's size (by
 gateway and the simulated replica share), sent at its (rate-scaled) arrival time, with the
 client's SLO headers and a realistic `max_tokens` cap. Its true output length travels in the
 body field `specgate_sim_output_tokens`, which the simulated replica obeys and the gateway never
-reads. With replicas running `--time-scale T`, pass the same T: the trace is sent T times faster
-and the latencies measured are scaled back, so results come out in the profile's units, in the
-same shape as the offline simulator's.
+reads. With replicas running `--time-scale T`, pass the same T: the trace is sent T times faster,
+the SLO headers are divided by T (the gateway measures the replicas in real time), and the
+latencies measured are scaled back, so results come out in the profile's units, in the same
+shape as the offline simulator's.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ def request_body(model: str, request: TraceRequest) -> bytes:
 async def _one(session: aiohttp.ClientSession, settings: ReplaySettings, request: TraceRequest) -> Served | int:
     """The request's latencies, or the HTTP status it failed with."""
     headers = {"content-type": "application/json"}
+    # The gateway sees the replicas' real (scaled) time: so must the SLOs it routes by.
     if settings.slo_ttft_ms is not None:
-        headers["x-slo-ttft-ms"] = f"{settings.slo_ttft_ms:g}"
+        headers["x-slo-ttft-ms"] = f"{settings.slo_ttft_ms / settings.time_scale:g}"
     if settings.slo_tpot_ms is not None:
-        headers["x-slo-tpot-ms"] = f"{settings.slo_tpot_ms:g}"
+        headers["x-slo-tpot-ms"] = f"{settings.slo_tpot_ms / settings.time_scale:g}"
     if settings.hint:
         headers["x-expected-output-tokens"] = str(request.output_tokens)
     sent = time.monotonic()

@@ -58,7 +58,7 @@ class SloDefaults:
 
 @dataclass(frozen=True)
 class PolicySettings:
-    name: str = "least-loaded"
+    name: str = "adaptive"
     params: Mapping[str, object] = field(default_factory=dict)
     allow_pool_override: bool = True
     profile: str = DEFAULT_PROFILE
@@ -161,7 +161,7 @@ def parse_settings(doc: Mapping[str, Any]) -> GatewaySettings:
     port = get("server", "port", 8000)
     if not 0 <= port <= 65535:
         raise ConfigError(f"server.port: out of range: {port}")
-    policy_name = get("policy", "name", "least-loaded")
+    policy_name = get("policy", "name", "adaptive")
     if policy_name not in POLICY_NAMES:
         raise ConfigError(f"policy.name: unknown policy {policy_name!r}; known: {', '.join(POLICY_NAMES)}")
     profile = get("policy", "profile", DEFAULT_PROFILE)

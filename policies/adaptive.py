@@ -3,8 +3,11 @@
 For every healthy replica the latency model predicts this request's TTFT, TPOT and the harm its
 joining does to the requests already there. Replicas predicted to meet both SLOs are kept; among
 them the one with the best predicted completion (plus the weighted harm) wins. When none can meet
-them, the least-violating replica serves the request, unless shedding is on and the request's
-priority is below the shedding line: then it is refused with a hint of when to retry. A small,
+them, the request is refused with a hint of when to retry if shedding is on and its priority is
+below the shedding line; otherwise it is served best-effort where it costs the other requests'
+SLOs least: on a replica whose requests are already late, else on the least-violating one. Under
+overload this keeps the replicas that still meet their SLOs meeting them, rather than spreading
+the overload until every replica misses. A small,
 deterministic share of requests goes to the best feasible replica of the other pool, so the
 corrections of the pool that is chosen less keep learning.
 """
@@ -90,6 +93,8 @@ class Adaptive:
         else:
             if self.shed and features.priority < self.shed_below_priority:
                 return Shed("slo-unattainable", self.retry_after_s)
-            # Past saving it, place the request where it costs the others least.
-            best, reason = min(options, key=lambda o: o.score), "best-effort"
+            # Past saving it, place the request where it costs the others' SLOs least: its harm
+            # counts as much as the requests there still stood to meet them (a replica whose
+            # requests are already late loses nothing more), then the least-violating.
+            best, reason = min(options, key=lambda o: (o.chance * o.prediction.harm_ms, o.score)), "best-effort"
         return Decision(best.replica, reason, best.prediction.ttft_ms, best.prediction.tpot_ms)

@@ -132,12 +132,14 @@ class LatencyModel:
             tokens_per_step = max(replica.tokens_per_step or self.profile.spec.expected_tokens_per_step(), 1.0)
         else:
             tokens_per_step = 1.0
-        per_token_ms = max(self._step_ms(pool, batch + 1, context, prompt) - joined, 0.0) / prompt
+        correction = replica.tpot_correction
+        # What prefilling one prompt token costs the decoding batch, in the replica's real time:
+        # the rate of prompt tokens is measured in real time too.
+        per_token_ms = max(self._step_ms(pool, batch + 1, context, prompt) - joined, 0.0) / prompt * correction
         prefill_share = min(replica.prefill_tokens_per_s * per_token_ms / 1e3, MAX_PREFILL_SHARE)
         # One arriving prompt stalls decoding for its own prefill: the mean prompt arriving there.
         arriving = replica.prefill_tokens_per_s / replica.arrivals_per_s if replica.arrivals_per_s > 0 else prompt
         tpot = joined / tokens_per_step / (1.0 - prefill_share)
-        correction = replica.tpot_correction
         stay_steps = math.ceil(output / tokens_per_step)
         stall = prefill_ms(prompt) - decode_ms * math.ceil(prompt / chunk)  # what this prompt does to others
         harm = batch * (max(stall, 0.0) + max(joined - decode_ms, 0.0) * stay_steps) if batch else 0.0
@@ -146,7 +148,7 @@ class LatencyModel:
             tpot_ms=tpot * correction,
             harm_ms=harm * correction,
             decode_tpot_ms=joined / tokens_per_step * correction,
-            stall_ms=arriving * per_token_ms * correction,
+            stall_ms=arriving * per_token_ms,
             stalls_per_s=replica.arrivals_per_s,
             output_tokens=output,
         )

@@ -30,6 +30,8 @@ def state(name: str, pool: Pool, in_flight: int = 0, **changes: object) -> Repli
 IDLE = Snapshot((state("spec-0", Pool.SPECULATIVE), state("plain-0", Pool.PLAIN)))
 SPEC_BUSY = Snapshot((state("spec-0", Pool.SPECULATIVE, 180), state("plain-0", Pool.PLAIN, 2)))
 ALL_SLOW = Snapshot((state("spec-0", Pool.SPECULATIVE, 250), state("plain-0", Pool.PLAIN, 250)))
+# plain-0's requests are already past their TPOT target; plain-1's still meet theirs
+ONE_LATE = Snapshot((state("plain-0", Pool.PLAIN, 250), state("plain-1", Pool.PLAIN, 4)))
 
 
 @pytest.mark.parametrize(
@@ -45,6 +47,10 @@ ALL_SLOW = Snapshot((state("spec-0", Pool.SPECULATIVE, 250), state("plain-0", Po
         (SPEC_BUSY, FEATURES, "plain-0", "meets-slo"),
         # nothing meets the SLO: best effort where it costs least
         (ALL_SLOW, replace(FEATURES, slo_tpot_ms=20.0), "plain-0", "best-effort"),
+        # a request that likely misses its TTFT anywhere joins the replica that is late already,
+        # not the one whose requests it would slow past their targets (its 127 ms TTFT there
+        # is 97% of the target: a 30% chance)
+        (ONE_LATE, replace(FEATURES, slo_ttft_ms=127.0 / 0.97), "plain-0", "best-effort"),
         # no SLO at all: the fastest completion
         (IDLE, replace(FEATURES, slo_ttft_ms=None, slo_tpot_ms=None), "spec-0", "fastest"),
     ],

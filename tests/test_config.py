@@ -24,7 +24,7 @@ def test_minimal_config_takes_defaults() -> None:
     assert s.pools[Pool.SPECULATIVE] == ("http://a:1",)
     assert s.pools[Pool.PLAIN] == ("http://b:2", "https://c")
     assert s.port == 8000
-    assert s.policy.name == "least-loaded"
+    assert s.policy.name == "adaptive"
     assert s.fleet.scrape_interval_s == 0.25
     assert s.timeouts.connect_s == 2.0
     assert not s.forward_authorization

@@ -1,5 +1,7 @@
 """Replica accounting and health: admission on scrape, ejection, re-admission."""
 
+import pytest
+
 from workers.acceptance import SpecCounters
 from workers.pools import Fleet, FleetSettings, Replica
 from workers.scrape import VllmLoad
@@ -73,6 +75,22 @@ def test_tokens_per_step_from_counter_deltas() -> None:
     assert r.tokens_per_step is None  # one reading is no interval
     r.scraped(load(spec=SpecCounters(200, 1000, 350, ())), 1.0, 0)
     assert r.tokens_per_step == 1 + 150 / 100
+
+
+def test_acceptance_is_a_window_over_recent_drafts_pooled_per_pool() -> None:
+    settings = FleetSettings(acceptance_window_drafts=1000)
+    fleet = Fleet({Pool.SPECULATIVE: ["http://a", "http://b"], Pool.PLAIN: ["http://c"]}, settings)
+    a, b = fleet.replicas["spec-0"], fleet.replicas["spec-1"]
+    a.scraped(load(spec=SpecCounters(0, 0, 0, ())), 0.0, 0)
+    a.scraped(load(spec=SpecCounters(1000, 5000, 3000, ())), 1.0, 0)  # 3 accepted per draft
+    # A short interval of poor acceptance moves the estimate by its share of the window, no more.
+    a.scraped(load(spec=SpecCounters(1100, 5500, 3000, ())), 2.0, 0)
+    assert a.tokens_per_step == pytest.approx(1 + 3000 * 0.9 / 1000)
+    b.scraped(load(spec=SpecCounters(0, 0, 0, ())), 0.0, 0)
+    b.scraped(load(spec=SpecCounters(1000, 5000, 1000, ())), 1.0, 0)  # 1 accepted per draft
+    pooled = {r.name: r.tokens_per_step for r in fleet.snapshot(2.0).replicas}
+    assert pooled["spec-0"] == pooled["spec-1"] == pytest.approx(1 + (2700 + 1000) / 2000)
+    assert pooled["plain-0"] is None
 
 
 def test_fleet_names_replicas_by_pool() -> None:

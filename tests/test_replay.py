@@ -26,13 +26,14 @@ def trace_slice() -> list[TraceRequest]:
     return [TraceRequest(i * 0.15, 300 + 97 * (i % 11), 40 + 23 * (i % 9)) for i in range(250)]
 
 
+@pytest.mark.parametrize("policy", ["adaptive", "least-loaded"])
 async def test_replay_through_the_gateway_agrees_with_the_offline_simulator(
-    sim_factory: Callable[..., SimProcess], tmp_path: Path
+    policy: str, sim_factory: Callable[..., SimProcess], tmp_path: Path
 ) -> None:
     trace = trace_slice()
     slo_ttft_ms, slo_tpot_ms = 2000.0, 60.0
     scenario = Scenario(
-        A100_CODELLAMA_34B, Fleetspec(1, 1), "least-loaded", slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms
+        A100_CODELLAMA_34B, Fleetspec(1, 1), policy, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms
     )
     offline = simulate(trace, scenario).summary()
 
@@ -43,7 +44,7 @@ async def test_replay_through_the_gateway_agrees_with_the_offline_simulator(
     config = tmp_path / "specgate.toml"
     config.write_text(
         f'[models]\nserved = ["m"]\n[pools.speculative]\nurls = ["{spec.url}"]\n'
-        f'[pools.plain]\nurls = ["{plain.url}"]\n[policy]\nname = "least-loaded"\n'
+        f'[pools.plain]\nurls = ["{plain.url}"]\n[policy]\nname = "{policy}"\n'
         f"[scrape]\ninterval_ms = {250 / TIME_SCALE:g}\n"
     )
     log = tmp_path / "gateway.log"
@@ -55,12 +56,13 @@ async def test_replay_through_the_gateway_agrees_with_the_offline_simulator(
         await launch.terminate(gateway)
     online = result.summary()
 
-    assert 0.2 < offline["slo_attainment"] < 0.9  # a load where routing matters
+    both = f"offline {offline}, online {online}"
+    assert 0.2 < offline["slo_attainment"] < 0.9, both  # a load where routing matters
     assert failed == 0
     assert online["requests"] == offline["requests"] == len(trace)
     # 250 requests near their SLOs: the sampling error alone is about 3 points, and the real
-    # system adds HTTP and relay delays the simulator does not model (measured: 0.70-0.76 online
-    # against 0.77 offline). Three standard errors:
-    assert online["slo_attainment"] == pytest.approx(offline["slo_attainment"], abs=0.08)
-    assert online["spec_share"] == pytest.approx(offline["spec_share"], abs=0.1)
-    assert online["tpot_p50_ms"] == pytest.approx(offline["tpot_p50_ms"], rel=0.1)
+    # system adds HTTP and relay delays the simulator does not model (measured: 0.74-0.78 online
+    # against 0.74 offline for adaptive, 0.76 against 0.77 for least-loaded). Three standard errors:
+    assert online["slo_attainment"] == pytest.approx(offline["slo_attainment"], abs=0.08), both
+    assert online["spec_share"] == pytest.approx(offline["spec_share"], abs=0.12), both
+    assert online["tpot_p50_ms"] == pytest.approx(offline["tpot_p50_ms"], rel=0.12), both

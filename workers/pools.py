@@ -39,6 +39,8 @@ class FleetSettings:
     """Weight of the newest observed/predicted ratio in the latency model's per-replica correction."""
     rate_window_s: float = 10.0
     """Time constant of the smoothed rate of prompt tokens sent to each replica."""
+    acceptance_window_drafts: float = 2000.0
+    """How many recent drafts the speculative pool's acceptance is estimated from."""
 
 
 def _ewma(old: float | None, new: float, weight: float) -> float:
@@ -75,6 +77,8 @@ class Replica:
         self.load: VllmLoad | None = None
         self.scraped_at: float | None = None
         self.tokens_per_step: float | None = None
+        self.recent_drafts = 0.0
+        self.recent_accepted = 0.0
         self.observed_ttft_s: float | None = None
         self.observed_tpot_s: float | None = None
         self.ttft_correction = 1.0
@@ -149,13 +153,22 @@ class Replica:
         self._dispatched_at_scrape = dispatched_at_send
         if load.spec is not None:
             if self._last_spec is not None:
-                est = acceptance(load.spec - self._last_spec)
-                if est is not None:
-                    self.tokens_per_step = est.mean_tokens_per_step
+                delta = load.spec - self._last_spec
+                if acceptance(delta) is not None:
+                    # A sliding window over the last drafts: one short interval reflects only the few
+                    # requests running then, whose acceptance says little about the next request's.
+                    keep = max(1.0 - delta.drafts / self.settings.acceptance_window_drafts, 0.0)
+                    self.recent_drafts = self.recent_drafts * keep + delta.drafts
+                    self.recent_accepted = self.recent_accepted * keep + delta.accepted_tokens
+                    self.tokens_per_step = 1.0 + self.recent_accepted / self.recent_drafts
             self._last_spec = load.spec
 
     def state(
-        self, now: float, ttft_correction: float | None = None, tpot_correction: float | None = None
+        self,
+        now: float,
+        ttft_correction: float | None = None,
+        tpot_correction: float | None = None,
+        tokens_per_step: float | None = None,
     ) -> ReplicaState:
         load = self.load
         decay = self._decay(now)
@@ -175,7 +188,7 @@ class Replica:
             running=load.running if fresh and load else None,
             waiting=load.waiting if fresh and load else None,
             kv_usage=load.kv_usage if fresh and load else None,
-            tokens_per_step=self.tokens_per_step,
+            tokens_per_step=self.tokens_per_step if tokens_per_step is None else tokens_per_step,
             scrape_age_s=age,
             observed_ttft_s=self.observed_ttft_s,
             observed_tpot_s=self.observed_tpot_s,
@@ -197,19 +210,25 @@ class Fleet:
                 self.replicas[name] = Replica(name, url, pool, settings)
 
     def snapshot(self, now: float) -> Snapshot:
-        """Every replica's state; latency corrections are pooled per pool.
+        """Every replica's state; latency corrections and acceptance are pooled per pool.
 
-        Replicas of one pool run the same engine on the same hardware, so what one teaches about
-        the model holds for all. Per-replica corrections learned from a few noisy requests would
-        make a lucky replica look fast, attract traffic and overload it before it learns better.
+        Replicas of one pool run the same engine on the same hardware and serve the same mix of
+        requests, so what one teaches about the model holds for all. Per-replica figures learned
+        from a few noisy requests would make a lucky replica look fast, attract traffic and
+        overload it before it learns better.
         """
         sums: dict[Pool, list[float]] = {}
         for r in self.replicas.values():
-            total = sums.setdefault(r.pool, [0.0, 0.0, 0])
+            total = sums.setdefault(r.pool, [0.0, 0.0, 0.0, 0.0, 0.0])
             total[0] += r.ttft_correction
             total[1] += r.tpot_correction
             total[2] += 1
-        pooled = {pool: (ttft / n, tpot / n) for pool, (ttft, tpot, n) in sums.items()}
+            total[3] += r.recent_drafts
+            total[4] += r.recent_accepted
+        pooled = {
+            pool: (ttft / n, tpot / n, 1.0 + accepted / drafts if drafts > 0 else None)
+            for pool, (ttft, tpot, n, drafts, accepted) in sums.items()
+        }
         return Snapshot(tuple(r.state(now, *pooled[r.pool]) for r in self.replicas.values()))
 
     @staticmethod
