@@ -32,9 +32,7 @@ async def test_replay_through_the_gateway_agrees_with_the_offline_simulator(
 ) -> None:
     trace = trace_slice()
     slo_ttft_ms, slo_tpot_ms = 2000.0, 60.0
-    scenario = Scenario(
-        A100_CODELLAMA_34B, Fleetspec(1, 1), policy, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms
-    )
+    scenario = Scenario(A100_CODELLAMA_34B, Fleetspec(1, 1), policy, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
     offline = simulate(trace, scenario).summary()
 
     args = ("--model", "m", "--time-scale", f"{TIME_SCALE:g}")
