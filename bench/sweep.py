@@ -41,13 +41,19 @@ class SweepSettings:
     jobs: int = os.cpu_count() or 1
 
 
-def _parse_policy(text: str) -> tuple[str, dict[str, object]]:
-    """`threshold:max_load=8` -> ("threshold", {"max_load": 8.0})."""
+def parse_policy(text: str) -> tuple[str, dict[str, object]]:
+    """`adaptive:shed=true;shed_below_priority=1;harm_weight=0.5` -> ("adaptive", {...}), with
+    true/false as booleans, whole numbers as integers and the rest as floats."""
     name, _, rest = text.partition(":")
     params: dict[str, object] = {}
     for item in filter(None, rest.split(";")):
         key, _, value = item.partition("=")
-        params[key] = float(value)
+        if value in ("true", "false"):
+            params[key] = value == "true"
+        elif value.lstrip("-").isdigit():
+            params[key] = int(value)
+        else:
+            params[key] = float(value)
     return name, params
 
 
@@ -60,7 +66,7 @@ def _run(job: tuple[SweepSettings, str, float, Sequence[TraceRequest]]) -> dict[
     elif label == ALL_SPEC:
         fleet, (name, params) = Fleetspec(total, 0), ("least-loaded", {})
     else:
-        fleet, (name, params) = Fleetspec(settings.spec_replicas, settings.plain_replicas), _parse_policy(label)
+        fleet, (name, params) = Fleetspec(settings.spec_replicas, settings.plain_replicas), parse_policy(label)
     scenario = Scenario(
         get_profile(settings.profile),
         fleet,

@@ -238,14 +238,21 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _run_bench_offline(args: argparse.Namespace) -> int:
-    from bench.sweep import SweepSettings, run_sweep, write_outputs
+    from bench.sweep import SweepSettings, parse_policy, run_sweep, write_outputs
     from bench.traces import TraceError
-    from policies.registry import POLICY_NAMES
+    from policies.latency_model import LatencyModel
+    from policies.registry import PolicyConfigError, build_policy
 
     policies = tuple(p for p in args.policies.split(",") if p)
-    unknown = [p for p in policies if p.partition(":")[0] not in POLICY_NAMES]
-    if unknown or not policies:
-        print(f"specgate bench: unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}", file=sys.stderr)
+    if not policies:
+        print("specgate bench: no policies given", file=sys.stderr)
+        return 2
+    try:
+        model = LatencyModel(get_profile(args.profile))
+        for policy in policies:
+            build_policy(*parse_policy(policy), model)
+    except (KeyError, ValueError) as exc:
+        print(f"specgate bench: {exc}", file=sys.stderr)
         return 2
     if args.spec_replicas < 0 or args.plain_replicas < 0 or args.spec_replicas + args.plain_replicas < 1:
         print("specgate bench: the fleet needs at least one replica", file=sys.stderr)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.offline import Fleetspec, Scenario, attainable, simulate
+from bench.sweep import parse_policy
 from bench.traces import TraceError, TraceRequest, read_trace, scaled
 from gateway.cli import main
 from workers.sim.profiles import A100_CODELLAMA_34B
@@ -96,7 +97,17 @@ def test_bench_offline_command_writes_results_report_and_plots(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(
-    "args", [["--policies", "magic"], ["--rate-scale", "0"], ["--spec-replicas", "0", "--plain-replicas", "0"]]
+    "args",
+    [
+        ["--policies", "magic"],
+        ["--policies", ""],
+        ["--policies", "adaptive:shed=yes"],
+        ["--policies", "adaptive:wings=2"],
+        ["--policies", "threshold:max_load=-1"],
+        ["--rate-scale", "0"],
+        ["--spec-replicas", "0", "--plain-replicas", "0"],
+        ["--profile", "nonesuch"],
+    ],
 )
 def test_bench_offline_refuses_bad_arguments(tmp_path: Path, args: list[str]) -> None:
     trace = tmp_path / "t.csv"
@@ -106,3 +117,18 @@ def test_bench_offline_refuses_bad_arguments(tmp_path: Path, args: list[str]) ->
     except SystemExit as exc:
         code = int(exc.code or 0)
     assert code == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("least-loaded", ("least-loaded", {})),
+        ("threshold:max_load=16", ("threshold", {"max_load": 16})),
+        (
+            "adaptive:shed=true;shed_below_priority=-1;harm_weight=0.25",
+            ("adaptive", {"shed": True, "shed_below_priority": -1, "harm_weight": 0.25}),
+        ),
+    ],
+)
+def test_policy_parameters_on_the_command_line(text: str, parsed: tuple[str, dict[str, object]]) -> None:
+    assert parse_policy(text) == parsed
