@@ -241,7 +241,7 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
     from bench.sweep import SweepSettings, parse_policy, run_sweep, write_outputs
     from bench.traces import TraceError
     from policies.latency_model import LatencyModel
-    from policies.registry import PolicyConfigError, build_policy
+    from policies.registry import build_policy
 
     policies = tuple(p for p in args.policies.split(",") if p)
     if not policies:

@@ -41,7 +41,7 @@ class ReplicaState:
     waiting: float | None
     kv_usage: float | None
     tokens_per_step: float | None
-    """Mean tokens per speculative step over the last scrape interval that saw drafts."""
+    """Mean tokens per speculative step over the pool's recent drafts; None before any."""
     scrape_age_s: float | None
     observed_ttft_s: float | None
     """Smoothed TTFT the gateway observed on this replica."""
