@@ -1,8 +1,9 @@
 """Application assembly and lifecycle.
 
 One `cleanup_ctx` owns every shared resource: the single upstream `ClientSession`, the fleet and
-its scrapers, the relay. Cleanup runs only if start-up succeeded; scrapers are cancelled and
-awaited on the way out. Serving waits for in-flight requests up to the shutdown grace period.
+its scrapers, the relay, the policy control and, with a store, its Redis client and the task that
+follows it. Cleanup runs only if start-up succeeded; background tasks are cancelled and awaited on
+the way out. Serving waits for in-flight requests up to the shutdown grace period.
 """
 
 from __future__ import annotations
@@ -15,30 +16,23 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 
+from gateway.admin import add_admin_routes
 from gateway.config import GatewaySettings
 from gateway.errors import openai_errors
 from gateway.handlers import add_routes
 from gateway.metrics import GatewayMetrics
+from gateway.policy_sync import STORE_ERRORS, PolicyControl
 from gateway.relay import Relay
-from gateway.state import FLEET, METRICS, RELAY, SESSION, SETTINGS
-from policies.latency_model import LatencyModel
-from policies.registry import RoutingPlan, build_policy
+from gateway.state import FLEET, METRICS, POLICY, RELAY, SESSION, SETTINGS
+from policies.store import PolicyStore
 from workers.http import serve_until_cancelled
 from workers.pools import Fleet
-from workers.sim.profiles import get_profile
 
 _log = logging.getLogger(__name__)
 
 
-def routing_plan(settings: GatewaySettings) -> RoutingPlan:
-    model = LatencyModel(get_profile(settings.policy.profile))
-    policy = build_policy(settings.policy.name, settings.policy.params, model)
-    return RoutingPlan(policy, model, settings.policy.allow_pool_override)
-
-
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    plan = routing_plan(settings)
     fleet = Fleet({pool: list(urls) for pool, urls in settings.pools.items()}, settings.fleet)
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
     session = aiohttp.ClientSession(
@@ -47,22 +41,31 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         auto_decompress=False,  # relay the bytes as the replica sent them
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
-    metrics = GatewayMetrics(fleet, plan.version)
-    relay = Relay(settings, fleet, session, metrics, plan)
-    app[SESSION], app[FLEET], app[METRICS], app[RELAY] = session, fleet, metrics, relay
+    metrics = GatewayMetrics(fleet, with_store=settings.store.url is not None)
+    relay = Relay(settings, fleet, session, metrics, settings.policy.compile("0"))
+    store = PolicyStore.connect(settings.store.url, settings.store.prefix) if settings.store.url else None
+    control = PolicyControl(relay, metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s)
+    app[SESSION], app[FLEET], app[METRICS], app[RELAY], app[POLICY] = session, fleet, metrics, relay, control
     # One round of scrapes before serving, so a gateway in front of live replicas is ready at once.
     await asyncio.gather(*(fleet.scrape_once(session, r) for r in fleet.replicas.values()))
-    scrapers = [
+    tasks = [
         asyncio.create_task(fleet.scrape_forever(session, r), name=f"scrape-{r.name}") for r in fleet.replicas.values()
     ]
+    if store is not None:
+        # Read the store once before serving (briefly: Redis down must not stop the gateway).
+        with contextlib.suppress(*STORE_ERRORS, TimeoutError):
+            await asyncio.wait_for(control.resync(), timeout=2.0)
+        tasks.append(asyncio.create_task(control.follow(), name="policy-store"))
     try:
         yield
     finally:
-        for task in scrapers:
+        for task in tasks:
             task.cancel()
-        for task in scrapers:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if store is not None:
+            await store.close()
         await session.close()
 
 
@@ -71,6 +74,8 @@ def make_app(settings: GatewaySettings) -> web.Application:
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_resources)
     add_routes(app)
+    if settings.admin_token is not None:
+        add_admin_routes(app)
     return app
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from gateway.policy_cli import add_policy_command
 from workers.sim.engine import EngineConfig, Mode, kv_blocks
 from workers.sim.profiles import DEFAULT_PROFILE, PROFILES, SOURCES, get_profile
 
@@ -141,12 +142,19 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--policy", help="routing policy, overriding the config's")
     p.add_argument("--profile", default=DEFAULT_PROFILE, help="embedded default: the replicas' profile")
     p.add_argument("--time-scale", type=_positive_float, default=1.0, help="embedded default: replica clock speed")
+    p.add_argument("--redis", metavar="URL", help="follow the policy document in this Redis (redis://...)")
+    p.add_argument("--redis-prefix", help="key prefix in Redis (default: the config's, or specgate)")
+    p.add_argument("--policy-cache", type=Path, help="file keeping the last good document from Redis")
     p.set_defaults(func=_run_serve)
 
 
+ADMIN_TOKEN_ENV = "SPECGATE_ADMIN_TOKEN"
+"""The admin API's bearer token, from the environment (a command-line flag would show in ps)."""
+
+
 def _run_serve(args: argparse.Namespace) -> int:
-    from gateway.app import routing_plan, serve
-    from gateway.config import ConfigError, GatewaySettings, load_settings
+    from gateway.app import serve
+    from gateway.config import ConfigError, GatewaySettings, admin_token, initial_document, load_settings, store_url
     from gateway.embedded import embedded_pools
     from policies.registry import POLICY_NAMES
 
@@ -157,13 +165,26 @@ def _run_serve(args: argparse.Namespace) -> int:
         if args.port is not None:
             changes["port"] = args.port
         if args.policy is not None:
-            changes["policy"] = dataclasses.replace(settings.policy, name=args.policy, params={})
-        settings = dataclasses.replace(settings, **changes)
-        routing_plan(settings)  # a bad policy name or parameter fails here, before anything starts
-        return settings
+            doc = settings.policy
+            changes["policy"] = initial_document(
+                args.policy, {}, profile=doc.profile, allow_pool_override=doc.allow_pool_override, slo=doc.slo
+            )
+        store = settings.store
+        if args.redis is not None:
+            store = dataclasses.replace(store, url=store_url("--redis", args.redis))
+        if args.redis_prefix is not None:
+            store = dataclasses.replace(store, prefix=args.redis_prefix)
+        if args.policy_cache is not None:
+            store = dataclasses.replace(store, cache=args.policy_cache)
+        changes["store"] = store
+        token = os.environ.get(ADMIN_TOKEN_ENV)
+        if token:
+            changes["admin_token"] = admin_token(ADMIN_TOKEN_ENV, token)
+        return dataclasses.replace(settings, **changes)
 
     def ready(settings: GatewaySettings, url: str) -> None:
-        print(f"specgate: gateway listening on {url} with policy {settings.policy.name}", flush=True)
+        source = f", following {settings.store.url}" if settings.store.url else ""
+        print(f"specgate: gateway listening on {url} with policy {settings.policy.policy}{source}", flush=True)
         for pool, urls in settings.pools.items():
             print(f"  {pool.value}: {', '.join(urls) or '-'}", flush=True)
         print(
@@ -177,6 +198,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         get_profile(args.profile)
         if args.policy is not None and args.policy not in POLICY_NAMES:
             raise ConfigError(f"unknown policy {args.policy!r}; known: {', '.join(POLICY_NAMES)}")
+        if args.redis is not None:
+            store_url("--redis", args.redis)
+        if os.environ.get(ADMIN_TOKEN_ENV):
+            admin_token(ADMIN_TOKEN_ENV, os.environ[ADMIN_TOKEN_ENV])
         configured = adjust(load_settings(args.config)) if args.config is not None else None
     except (ConfigError, KeyError, ValueError) as exc:
         print(f"specgate serve: {exc.args[0]}", file=sys.stderr)
@@ -348,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_sim(sub)
     _add_bench(sub)
+    add_policy_command(sub)
     return parser
 
 

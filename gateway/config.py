@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from policies.registry import POLICY_NAMES
+from policies.document import SCHEMA_VERSION, DocumentError, PolicyDocument
+from policies.document import parse as parse_document
+from policies.registry import POLICY_NAMES, SloTargets
 from workers.pools import FleetSettings
 from workers.sim.profiles import DEFAULT_PROFILE, PROFILES
 from workers.snapshot import Pool
@@ -51,18 +53,16 @@ class Timeouts:
 
 
 @dataclass(frozen=True)
-class SloDefaults:
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
+class StoreSettings:
+    """Where the policy document lives when it is shared: a Redis, and a local cache of it."""
 
-
-@dataclass(frozen=True)
-class PolicySettings:
-    name: str = "adaptive"
-    params: Mapping[str, object] = field(default_factory=dict)
-    allow_pool_override: bool = True
-    profile: str = DEFAULT_PROFILE
-    """The calibrated profile the latency model starts from."""
+    url: str | None = None
+    """`redis://...`; None keeps the policy in memory."""
+    prefix: str = "specgate"
+    cache: Path | None = None
+    """The last good document from Redis, for starting while Redis is down."""
+    refresh_s: float = 1.0
+    """Re-read the store this often even without an announcement (pub/sub drops messages)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,11 @@ class GatewaySettings:
     """Pass the client's Authorization header to the replicas (off: replicas rarely share the
     gateway's credentials, and a leaked key is worse than a refused request)."""
     timeouts: Timeouts = field(default_factory=Timeouts)
-    slo: SloDefaults = field(default_factory=SloDefaults)
-    policy: PolicySettings = field(default_factory=PolicySettings)
+    policy: PolicyDocument = field(default_factory=PolicyDocument)
+    """The policy to start with: the store's replaces it when there is one."""
+    store: StoreSettings = field(default_factory=StoreSettings)
+    admin_token: str | None = None
+    """Bearer token of the admin API (/admin/policy); None turns the API off."""
     fleet: FleetSettings = field(default_factory=FleetSettings)
 
 
@@ -91,6 +94,8 @@ _SCHEMA: Mapping[str, Mapping[str, Any]] = {
     "slo": {"ttft_ms": float, "tpot_ms": float},
     "policy": {"name": str, "params": dict, "allow_pool_override": bool, "profile": str},
     "proxy": {"forward_authorization": bool},
+    "store": {"url": str, "prefix": str, "cache": str, "refresh_ms": float},
+    "admin": {"token": str},
 }
 
 
@@ -116,6 +121,48 @@ def _url(key: str, value: Any) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
         raise ConfigError(f"{key}: not an http(s) base URL: {value!r}")
     return value.rstrip("/")
+
+
+def store_url(key: str, url: str) -> str:
+    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"{key}: not a redis:// URL: {url!r}")
+    return url
+
+
+def admin_token(key: str, token: str) -> str:
+    if len(token) < 16:
+        raise ConfigError(f"{key}: an admin token needs at least 16 characters")
+    return token
+
+
+def initial_document(
+    name: str,
+    params: dict[str, Any],
+    *,
+    profile: str = DEFAULT_PROFILE,
+    allow_pool_override: bool = True,
+    slo: SloTargets | None = None,
+) -> PolicyDocument:
+    """The policy document a config file's [policy] and [slo] describe.
+
+    The adaptive policy's shedding and exploration, parameters in the config file, are top-level
+    settings of the document."""
+    obj: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "policy": name, "profile": profile}
+    obj["allow_pool_override"] = allow_pool_override
+    if slo is not None:
+        obj["slo"] = {"default": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}}
+    if name == "adaptive":
+        moved = {"shed": "enabled", "shed_below_priority": "below_priority", "retry_after_s": "retry_after_s"}
+        shedding = {moved[k]: params.pop(k) for k in list(params) if k in moved}
+        if shedding:
+            obj["shedding"] = shedding
+        if "exploration" in params:
+            obj["exploration"] = params.pop("exploration")
+    obj["params"] = params
+    try:
+        return parse_document(obj)
+    except DocumentError as exc:
+        raise ConfigError(f"policy: {exc}") from None
 
 
 def parse_settings(doc: Mapping[str, Any]) -> GatewaySettings:
@@ -168,6 +215,19 @@ def parse_settings(doc: Mapping[str, Any]) -> GatewaySettings:
     if profile not in PROFILES:
         raise ConfigError(f"policy.profile: unknown profile {profile!r}; known: {', '.join(PROFILES)}")
     slo_ttft, slo_tpot = get("slo", "ttft_ms", None), get("slo", "tpot_ms", None)
+    policy = initial_document(
+        policy_name,
+        dict(get("policy", "params", {})),
+        profile=profile,
+        allow_pool_override=get("policy", "allow_pool_override", True),
+        slo=SloTargets(
+            ttft_ms=_positive("slo.ttft_ms", slo_ttft) if slo_ttft is not None else None,
+            tpot_ms=_positive("slo.tpot_ms", slo_tpot) if slo_tpot is not None else None,
+        ),
+    )
+    url = get("store", "url", None)
+    cache = get("store", "cache", None)
+    token = get("admin", "token", None)
     return GatewaySettings(
         models=tuple(served),
         pools=pools,
@@ -181,16 +241,14 @@ def parse_settings(doc: Mapping[str, Any]) -> GatewaySettings:
             first_byte_s=seconds("timeouts", "first_byte_ms", 300_000.0),
             idle_s=seconds("timeouts", "idle_ms", 60_000.0),
         ),
-        slo=SloDefaults(
-            ttft_ms=_positive("slo.ttft_ms", slo_ttft) if slo_ttft is not None else None,
-            tpot_ms=_positive("slo.tpot_ms", slo_tpot) if slo_tpot is not None else None,
+        policy=policy,
+        store=StoreSettings(
+            url=store_url("store.url", url) if url is not None else None,
+            prefix=get("store", "prefix", "specgate"),
+            cache=Path(cache) if cache is not None else None,
+            refresh_s=seconds("store", "refresh_ms", 1000.0),
         ),
-        policy=PolicySettings(
-            name=policy_name,
-            params=dict(get("policy", "params", {})),
-            allow_pool_override=get("policy", "allow_pool_override", True),
-            profile=profile,
-        ),
+        admin_token=admin_token("admin.token", token) if token is not None else None,
         fleet=FleetSettings(
             scrape_interval_s=seconds("scrape", "interval_ms", 250.0),
             scrape_timeout_s=seconds("scrape", "timeout_ms", 1000.0),

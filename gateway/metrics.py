@@ -38,7 +38,7 @@ def _reader(replica: Replica, read: Callable[[Replica], float]) -> Callable[[], 
 
 
 class GatewayMetrics:
-    def __init__(self, fleet: Fleet, policy_version: str) -> None:
+    def __init__(self, fleet: Fleet, *, with_store: bool = False) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = _Children(Counter(
             "specgate_requests", "Requests answered, by pool, routing reason and HTTP status.",
@@ -79,8 +79,16 @@ class GatewayMetrics:
             up.labels(*labels).set_function(_reader(replica, lambda rep: float(rep.healthy)))
             in_flight.labels(*labels).set_function(_reader(replica, lambda rep: float(rep.in_flight)))
             age.labels(*labels).set_function(_reader(replica, fleet.scrape_age))
-        version = Gauge("specgate_policy_info", "The routing policy in force.", ("version",), registry=r)
-        version.labels(policy_version).set(1)
+        self.policy_version = Gauge("specgate_policy_version", "Version of the policy document in force.",
+                                    registry=r)  # fmt: skip
+        self.policy_changes = _Children(Counter(
+            "specgate_policy_changes", "Policy documents read from the store, by outcome (applied, rejected).",
+            ("outcome",), registry=r,
+        ))  # fmt: skip
+        self.policy_store_up = Gauge(
+            "specgate_policy_store_up", "1 while the policy store (Redis) is reachable, 0 while it is not.",
+            registry=r if with_store else None,
+        )  # fmt: skip
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

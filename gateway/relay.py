@@ -86,14 +86,19 @@ class Relay:
         except web.HTTPRequestEntityTooLarge:
             raise BodyTooLarge(f"request body exceeds {self.settings.max_body_bytes} bytes") from None
         fields = parse_body(raw, endpoint, self.settings.models)
-        headers = parse_routing_headers(request.headers, self.settings.slo)
+        plan = self.plan  # one plan routes the whole request, even if a new one is swapped in meanwhile
+        headers = parse_routing_headers(request.headers, plan.slo_for)
         features = RequestFeatures(
             model=fields.model,
             stream=fields.stream,
             prompt_tokens=fields.prompt_tokens,
             max_tokens=fields.max_tokens,
             expected_output_tokens=self.lengths.expected(
-                fields.model, fields.prompt_tokens, hint=headers.expected_output_tokens, max_tokens=fields.max_tokens
+                fields.model,
+                fields.prompt_tokens,
+                hint=headers.expected_output_tokens,
+                max_tokens=fields.max_tokens,
+                request_class=headers.request_class,
             ),
             slo_ttft_ms=headers.slo_ttft_ms,
             slo_tpot_ms=headers.slo_tpot_ms,
@@ -101,7 +106,6 @@ class Relay:
             priority=headers.priority,
             sequence=next(self._sequence),
         )
-        plan = self.plan  # one plan routes the whole request, even if a new one is swapped in meanwhile
         upstream_headers = self._upstream_headers(request, headers.request_id)
         tried: set[str] = set()
         failure: GatewayError | None = None
@@ -307,7 +311,9 @@ class Relay:
         if outcome.status >= 400:
             return
         if outcome.completion_tokens is not None:
-            self.lengths.observe(features.model, features.prompt_tokens, outcome.completion_tokens)
+            self.lengths.observe(
+                features.model, features.prompt_tokens, outcome.completion_tokens, headers.request_class
+            )
         if outcome.streamed:
             replica.observe(outcome.ttft_s, outcome.tpot_s, *decision.predicted_s)
             if outcome.ttft_s is not None:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gateway.config import SloDefaults
 from gateway.errors import BadHeader
+from policies.registry import SloTargets
 from workers.snapshot import Pool
 
 SLO_TTFT = "x-slo-ttft-ms"
@@ -21,11 +21,13 @@ EXPECTED_OUTPUT = "x-expected-output-tokens"
 ROUTE_POOL = "x-route-pool"
 PRIORITY = "x-priority"
 REQUEST_ID = "x-request-id"
+REQUEST_CLASS = "x-request-class"
 
 MAX_SLO_MS = 3_600_000.0  # an hour: anything longer is a mistake, not a target
 MAX_OUTPUT_TOKENS = 10_000_000
 MAX_PRIORITY = 1_000_000
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_REQUEST_CLASS = re.compile(r"[A-Za-z0-9._\-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class RoutingHeaders:
     forced_pool: Pool | None
     priority: int
     request_id: str
+    request_class: str = ""
+    """`x-request-class`: picks the class's default SLOs and groups learned output lengths."""
 
 
 def _milliseconds(name: str, raw: str) -> float:
@@ -58,7 +62,8 @@ def _integer(name: str, raw: str, low: int, high: int) -> int:
     return value
 
 
-def parse_routing_headers(headers: Mapping[str, str], defaults: SloDefaults) -> RoutingHeaders:
+def parse_routing_headers(headers: Mapping[str, str], slo_for: Callable[[str], SloTargets]) -> RoutingHeaders:
+    """The request's routing headers; SLOs it does not send come from `slo_for(its class)`."""
     ttft = headers.get(SLO_TTFT)
     tpot = headers.get(SLO_TPOT)
     expected = headers.get(EXPECTED_OUTPUT)
@@ -75,6 +80,10 @@ def parse_routing_headers(headers: Mapping[str, str], defaults: SloDefaults) -> 
             ) from None
     if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
         raise BadHeader(f"{REQUEST_ID} must be 1-128 characters of letters, digits and ._:-", param=REQUEST_ID)
+    request_class = headers.get(REQUEST_CLASS, "")
+    if request_class and not _REQUEST_CLASS.fullmatch(request_class):
+        raise BadHeader(f"{REQUEST_CLASS} must be 1-64 characters of letters, digits and ._-", param=REQUEST_CLASS)
+    defaults = slo_for(request_class)
     return RoutingHeaders(
         slo_ttft_ms=_milliseconds(SLO_TTFT, ttft) if ttft is not None else defaults.ttft_ms,
         slo_tpot_ms=_milliseconds(SLO_TPOT, tpot) if tpot is not None else defaults.tpot_ms,
@@ -84,4 +93,5 @@ def parse_routing_headers(headers: Mapping[str, str], defaults: SloDefaults) -> 
         forced_pool=forced,
         priority=_integer(PRIORITY, priority, -MAX_PRIORITY, MAX_PRIORITY) if priority is not None else 0,
         request_id=request_id or os.urandom(16).hex(),
+        request_class=request_class,
     )

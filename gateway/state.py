@@ -7,6 +7,7 @@ from aiohttp import web
 
 from gateway.config import GatewaySettings
 from gateway.metrics import GatewayMetrics
+from gateway.policy_sync import PolicyControl
 from gateway.relay import Relay
 from workers.pools import Fleet
 
@@ -15,3 +16,4 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 FLEET = web.AppKey("fleet", Fleet)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 RELAY = web.AppKey("relay", Relay)
+POLICY = web.AppKey("policy", PolicyControl)

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.decision import Decision, Shed
+from policies.decision import Decision, Shed, spread
 from policies.features import RequestFeatures
 from policies.latency_model import LatencyModel, Prediction
 from workers.snapshot import ReplicaState, Snapshot
-
-_GOLDEN = 0.6180339887498949
 
 
 @dataclass(frozen=True)
@@ -54,8 +52,7 @@ class Adaptive:
     name: str = "adaptive"
 
     def _explores(self, sequence: int) -> bool:
-        # A low-discrepancy sequence: exactly the configured share, evenly spread, no randomness.
-        return (sequence * _GOLDEN) % 1.0 < self.exploration
+        return spread(sequence) < self.exploration
 
     def chance(self, prediction: Prediction, features: RequestFeatures) -> float:
         chance = 1.0
@@ -77,7 +74,7 @@ class Adaptive:
         options = []
         for replica in healthy:
             p = self.model.predict(replica, features)
-            score = p.completion_ms(output) + self.harm_weight * p.harm_ms
+            score = (p.completion_ms(output) + self.harm_weight * p.harm_ms) / replica.weight
             options.append(_Option(replica, p, self.chance(p, features), score))
         has_slo = features.slo_ttft_ms is not None or features.slo_tpot_ms is not None
         top = max(o.chance for o in options)

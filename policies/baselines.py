@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.decision import Decision, least_loaded
+from policies.decision import Decision, least_loaded, spread
 from policies.features import RequestFeatures
 from policies.latency_model import LatencyModel
 from workers.snapshot import Pool, ReplicaState, Snapshot
@@ -41,7 +41,16 @@ class RoundRobin:
         healthy = sorted(snapshot.healthy(), key=lambda r: r.name)
         if not healthy:
             return None
-        return _decide(self.model, features, healthy[features.sequence % len(healthy)], "round-robin")
+        if len({r.weight for r in healthy}) == 1:
+            return _decide(self.model, features, healthy[features.sequence % len(healthy)], "round-robin")
+        # Weighted: each replica owns a slice of the wheel as wide as its weight, and the requests
+        # land on it at evenly spread points.
+        point = spread(features.sequence) * sum(r.weight for r in healthy)
+        for replica in healthy:
+            point -= replica.weight
+            if point < 0:
+                break
+        return _decide(self.model, features, replica, "round-robin")
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,7 @@ class Threshold:
 
     def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Decision | None:
         spec = snapshot.healthy(Pool.SPECULATIVE)
-        if spec and sum(r.load for r in spec) / len(spec) < self.max_load:
+        if spec and sum(r.load / r.weight for r in spec) / len(spec) < self.max_load:
             return _in_pool_or_fallback(self.model, features, snapshot, Pool.SPECULATIVE, "below-threshold")
         return _in_pool_or_fallback(self.model, features, snapshot, Pool.PLAIN, "above-threshold")
 

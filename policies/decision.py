@@ -43,8 +43,15 @@ class Policy(Protocol):
         ...
 
 
+def spread(sequence: int) -> float:
+    """The n-th point of a low-discrepancy sequence in [0, 1): any share of requests picked by it
+    is exact and evenly spread over time, with no state and no randomness."""
+    return (sequence * 0.6180339887498949) % 1.0
+
+
 def least_loaded(replicas: tuple[ReplicaState, ...]) -> ReplicaState | None:
-    """Fewest requests in flight from this gateway, then the lightest scraped load, then by name."""
+    """Fewest requests in flight from this gateway, then the lightest scraped load, then by name;
+    each count divided by the replica's pool weight."""
     if not replicas:
         return None
-    return min(replicas, key=lambda r: (r.in_flight, r.load, r.name))
+    return min(replicas, key=lambda r: (r.in_flight / r.weight, r.load / r.weight, r.name))

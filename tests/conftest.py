@@ -1,8 +1,10 @@
-"""Shared fixtures: simulated replicas started as real subprocesses on free ports."""
+"""Shared fixtures: simulated replicas and a real redis-server, started as subprocesses on free ports."""
 
 from __future__ import annotations
 
 import contextlib
+import shutil
+import socket
 import subprocess
 import time
 import urllib.request
@@ -95,3 +97,52 @@ async def running_app(app: web.Application) -> AsyncIterator[str]:
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class RedisServer:
+    """A real redis-server on a free port; it can be killed and restarted on the same port."""
+
+    port: int
+    workdir: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, wait_s: float = 10.0) -> None:
+        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.proc = launch.spawn([*argv, "--dir", str(self.workdir)], self.workdir / "redis.log")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    return
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not start: {(self.workdir / 'redis.log').read_text(errors='replace')}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed: run scripts/setup --dev (the README's test command does)")
+    server = RedisServer(free_port(), tmp_path)
+    server.start()
+    yield server
+    server.stop()

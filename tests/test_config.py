@@ -24,7 +24,9 @@ def test_minimal_config_takes_defaults() -> None:
     assert s.pools[Pool.SPECULATIVE] == ("http://a:1",)
     assert s.pools[Pool.PLAIN] == ("http://b:2", "https://c")
     assert s.port == 8000
-    assert s.policy.name == "adaptive"
+    assert s.policy.policy == "adaptive"
+    assert s.store.url is None
+    assert s.admin_token is None
     assert s.fleet.scrape_interval_s == 0.25
     assert s.timeouts.connect_s == 2.0
     assert not s.forward_authorization
@@ -38,8 +40,8 @@ def test_values_convert_to_seconds() -> None:
     assert s.fleet.scrape_interval_s == pytest.approx(0.1)
     assert s.timeouts.first_byte_s == pytest.approx(1.5)
     assert s.timeouts.idle_s == pytest.approx(2.0005)
-    assert s.slo.ttft_ms == 300.0
-    assert s.slo.tpot_ms is None
+    assert s.policy.slo.ttft_ms == 300.0
+    assert s.policy.slo.tpot_ms is None
 
 
 @pytest.mark.parametrize(
@@ -55,6 +57,11 @@ def test_values_convert_to_seconds() -> None:
         (with_("policy", name="magic"), "policy.name"),
         (with_("policy", profile="tpu"), "policy.profile"),
         (with_("slo", ttft_ms="fast"), "slo.ttft_ms"),
+        (with_("policy", params={"harm_weight": -1}), "policy: params.harm_weight"),
+        (with_("policy", name="least-loaded", params={"shed": True}), "policy: params.shed"),
+        (with_("store", url="http://redis:6379"), "store.url"),
+        (with_("store", host="redis"), "store.host"),
+        (with_("admin", token="short"), "admin.token"),
         ({"pools": MINIMAL["pools"]}, "models.served"),
         ({"models": {"served": [""]}, "pools": MINIMAL["pools"]}, "models.served[0]"),
         ({"models": {"served": ["m"]}, "pools": {}}, "pools"),
@@ -78,8 +85,26 @@ def test_load_settings_reads_toml(tmp_path: Path) -> None:
         '[policy]\nname = "threshold"\nparams = { max_load = 4 }\n'
     )
     s = load_settings(path)
-    assert s.policy.name == "threshold"
+    assert s.policy.policy == "threshold"
     assert s.policy.params == {"max_load": 4}
+
+
+def test_adaptive_shedding_and_exploration_move_to_the_document() -> None:
+    params = {"shed": True, "shed_below_priority": 2, "exploration": 0.1, "harm_weight": 1.0}
+    s = parse_settings(with_("policy", name="adaptive", params=params))
+    assert s.policy.shedding.enabled
+    assert s.policy.shedding.below_priority == 2
+    assert s.policy.exploration == 0.1
+    assert s.policy.params == {"harm_weight": 1.0}
+
+
+def test_store_and_admin_settings() -> None:
+    doc = with_("store", url="redis://127.0.0.1:6379/0", prefix="blue", cache="/tmp/p.json", refresh_ms=500)
+    doc["admin"] = {"token": "t" * 32}
+    s = parse_settings(doc)
+    assert (s.store.url, s.store.prefix, s.store.refresh_s) == ("redis://127.0.0.1:6379/0", "blue", 0.5)
+    assert s.store.cache == Path("/tmp/p.json")
+    assert s.admin_token == "t" * 32
 
 
 @pytest.mark.parametrize(("text", "message"), [("[models\n", "not valid TOML"), (None, "cannot read")])

@@ -1,11 +1,15 @@
 import pytest
 
-from gateway.config import SloDefaults
 from gateway.errors import BadHeader
 from gateway.sla import parse_routing_headers
+from policies.registry import SloTargets
 from workers.snapshot import Pool
 
-DEFAULTS = SloDefaults(ttft_ms=800.0, tpot_ms=60.0)
+CLASSES = {"batch": SloTargets(ttft_ms=30000.0, tpot_ms=None)}
+
+
+def DEFAULTS(request_class: str) -> SloTargets:
+    return CLASSES.get(request_class, SloTargets(ttft_ms=800.0, tpot_ms=60.0))
 
 
 @pytest.mark.parametrize(
@@ -23,6 +27,11 @@ DEFAULTS = SloDefaults(ttft_ms=800.0, tpot_ms=60.0)
         ({"x-route-pool": "PLAIN"}, "forced_pool", Pool.PLAIN),
         ({"x-priority": "-3"}, "priority", -3),
         ({"x-request-id": "abc-123.x:y_z"}, "request_id", "abc-123.x:y_z"),
+        ({"x-request-class": "batch"}, "request_class", "batch"),
+        ({"x-request-class": "batch"}, "slo_ttft_ms", 30000.0),
+        ({"x-request-class": "batch"}, "slo_tpot_ms", None),
+        ({"x-request-class": "batch", "x-slo-tpot-ms": "90"}, "slo_tpot_ms", 90.0),
+        ({"x-request-class": "chat"}, "slo_ttft_ms", 800.0),
     ],
 )
 def test_valid_headers(headers: dict[str, str], field: str, expected: object) -> None:
@@ -48,6 +57,8 @@ def test_valid_headers(headers: dict[str, str], field: str, expected: object) ->
         ("x-request-id", "has space"),
         ("x-request-id", "x" * 129),
         ("x-request-id", ""),
+        ("x-request-class", "has space"),
+        ("x-request-class", "c" * 65),
     ],
 )
 def test_bad_header_names_itself(name: str, value: str) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 
@@ -49,6 +50,9 @@ class ReplicaState:
     ttft_correction: float = 1.0
     """Observed over predicted TTFT on this replica, smoothed: multiplies the model's prediction."""
     tpot_correction: float = 1.0
+    weight: float = 1.0
+    """The operator's preference for the replica's pool (policy document): policies divide its
+    load and its predicted completion by it, so a pool of weight 2 takes about twice the share."""
 
     @property
     def load(self) -> float:
@@ -67,3 +71,13 @@ class Snapshot:
 
     def without(self, names: frozenset[str]) -> Snapshot:
         return Snapshot(tuple(r for r in self.replicas if r.name not in names))
+
+    def steered(self, weights: Mapping[Pool, float], drained: frozenset[Pool]) -> Snapshot:
+        """Without the drained pools' replicas, and with each pool's weight on its replicas."""
+        return Snapshot(
+            tuple(
+                replace(r, weight=weights.get(r.pool, 1.0)) if weights.get(r.pool, 1.0) != r.weight else r
+                for r in self.replicas
+                if r.pool not in drained
+            )
+        )

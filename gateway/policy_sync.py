@@ -1,0 +1,179 @@
+"""The policy document in force on this gateway, kept in step with its store.
+
+Without a store the document lives in memory: the admin API changes it, versions count up from
+the configured one (0). With Redis, Redis is the truth: the gateway applies the store's document
+when it starts and whenever a change is announced on the channel, and re-reads it every
+`refresh_s` as well, because pub/sub drops announcements while a connection is re-made. When
+Redis cannot be reached the gateway keeps serving the document it has (at start: the local cache
+of the last good one, else the configured one) and retries with backoff. A document that fails
+validation is never applied; the one in force stays.
+
+Applying is one assignment of a compiled plan to the relay: a request in flight keeps the plan
+it started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import redis.exceptions
+
+from gateway.metrics import GatewayMetrics
+from gateway.relay import Relay
+from policies.document import DocumentError, PolicyDocument
+from policies.document import parse as parse_document
+from policies.store import PolicyStore, StoredPolicy, VersionConflict
+
+_log = logging.getLogger(__name__)
+
+STORE_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+MAX_BACKOFF_S = 5.0
+
+
+@dataclass(frozen=True)
+class Applied:
+    version: int
+    document: PolicyDocument
+    who: str = ""
+    when: float = 0.0
+    why: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "version": self.version,
+            "document": self.document.to_json(),
+            "who": self.who,
+            "when": self.when,
+            "why": self.why,
+        }
+
+
+def _from_stored(stored: StoredPolicy) -> Applied:
+    return Applied(stored.version, stored.parsed(), stored.who, stored.when, stored.why)
+
+
+class PolicyControl:
+    def __init__(
+        self,
+        relay: Relay,
+        metrics: GatewayMetrics,
+        initial: PolicyDocument,
+        store: PolicyStore | None = None,
+        cache: Path | None = None,
+        refresh_s: float = 1.0,
+    ) -> None:
+        self.relay = relay
+        self.metrics = metrics
+        self.store = store
+        self.cache = cache
+        self.refresh_s = refresh_s
+        self.store_up = False
+        self.current = self._cached() or Applied(0, initial, "config", 0.0, "the gateway's configuration")
+        self._install(self.current)
+
+    # --- applying ------------------------------------------------------------------------------
+
+    def _install(self, applied: Applied) -> None:
+        self.relay.plan = applied.document.compile(str(applied.version))
+        self.current = applied
+        self.metrics.policy_version.set(applied.version)
+
+    def _apply_stored(self, stored: StoredPolicy) -> None:
+        if stored.version == self.current.version:
+            return
+        try:
+            applied = _from_stored(stored)
+        except DocumentError as exc:
+            self.metrics.policy_changes.labels("rejected").inc()
+            _log.error("policy version %d in the store is invalid, keeping version %d: %s",
+                       stored.version, self.current.version, exc)  # fmt: skip
+            return
+        self._install(applied)
+        self.metrics.policy_changes.labels("applied").inc()
+        _log.info("policy version %d applied (%s: %s)", applied.version, applied.who, applied.why)
+        self._write_cache(applied)
+
+    async def update(self, document: PolicyDocument, *, expected_version: int | None, who: str, why: str) -> Applied:
+        """Make `document` the policy: in the store (every gateway follows) or, without one, here."""
+        if self.store is not None:
+            stored = await self.store.write(document, expected_version=expected_version, who=who, why=why)
+            self._apply_stored(stored)  # at once here; the other gateways hear of it
+            return self.current
+        if expected_version is not None and expected_version != self.current.version:
+            raise VersionConflict(expected_version, self.current.version)
+        self._install(Applied(self.current.version + 1, document, who, time.time(), why))
+        self.metrics.policy_changes.labels("applied").inc()
+        return self.current
+
+    # --- the local cache -----------------------------------------------------------------------
+
+    def _cached(self) -> Applied | None:
+        if self.cache is None or not self.cache.exists():
+            return None
+        try:
+            record = orjson.loads(self.cache.read_bytes())
+            return Applied(
+                int(record["version"]),
+                parse_document(record["document"]),
+                str(record.get("who", "")),
+                float(record.get("when", 0.0)),
+                str(record.get("why", "")),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            _log.warning("ignoring the policy cache %s: %s", self.cache, exc)
+            return None
+
+    def _write_cache(self, applied: Applied) -> None:
+        # A few kilobytes, written only when the version changes: not worth a thread.
+        if self.cache is None:
+            return
+        tmp = self.cache.with_name(self.cache.name + ".tmp")
+        try:
+            tmp.write_bytes(orjson.dumps(applied.to_json()))
+            os.replace(tmp, self.cache)
+        except OSError as exc:
+            _log.warning("cannot write the policy cache %s: %s", self.cache, exc)
+
+    # --- following the store -------------------------------------------------------------------
+
+    async def resync(self) -> None:
+        assert self.store is not None
+        stored = await self.store.current()
+        if stored is not None:
+            self._apply_stored(stored)
+
+    def _set_up(self, up: bool) -> None:
+        if up != self.store_up:
+            (_log.info if up else _log.warning)("policy store %s", "reachable" if up else "unreachable")
+        self.store_up = up
+        self.metrics.policy_store_up.set(1.0 if up else 0.0)
+
+    async def follow(self) -> None:
+        """Run until cancelled: subscribe, resync, apply each change; reconnect with backoff."""
+        assert self.store is not None
+        backoff = 0.1
+        while True:
+            try:
+                async with self.store.client.pubsub() as pubsub:
+                    await pubsub.subscribe(self.store.channel)
+                    await self.resync()  # after subscribing: no change can fall between the two
+                    self._set_up(True)
+                    backoff = 0.1
+                    next_read = time.monotonic() + self.refresh_s
+                    while True:
+                        wait = max(next_read - time.monotonic(), 0.0)
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+                        if message is not None or time.monotonic() >= next_read:
+                            await self.resync()
+                            next_read = time.monotonic() + self.refresh_s
+            except STORE_ERRORS as exc:
+                self._set_up(False)
+                _log.debug("policy store: %s; retrying in %.1f s", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
