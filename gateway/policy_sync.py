@@ -74,6 +74,8 @@ class PolicyControl:
         self.cache = cache
         self.refresh_s = refresh_s
         self.store_up = False
+        self._held: tuple[int, str] = (-1, "")
+        self._rejected: tuple[int, str] | None = None
         self.current = self._cached() or Applied(0, initial, "config", 0.0, "the gateway's configuration")
         self._install(self.current)
 
@@ -82,14 +84,19 @@ class PolicyControl:
     def _install(self, applied: Applied) -> None:
         self.relay.plan = applied.document.compile(str(applied.version))
         self.current = applied
+        self._held = (applied.version, applied.document.dumps().decode())
         self.metrics.policy_version.set(applied.version)
 
     def _apply_stored(self, stored: StoredPolicy) -> None:
-        if stored.version == self.current.version:
+        # Whatever the store holds is the truth, even an older version (a Redis restored from a
+        # backup, or restarted empty and written again): compare the document, not just the number.
+        seen = (stored.version, stored.document)
+        if seen in (self._held, self._rejected):
             return
         try:
             applied = _from_stored(stored)
         except DocumentError as exc:
+            self._rejected = seen  # counted and logged once, not on every re-read
             self.metrics.policy_changes.labels("rejected").inc()
             _log.error("policy version %d in the store is invalid, keeping version %d: %s",
                        stored.version, self.current.version, exc)  # fmt: skip

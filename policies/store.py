@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 import orjson
 import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from policies.document import PolicyDocument, loads
 
@@ -93,8 +96,15 @@ class PolicyStore:
 
     @classmethod
     def connect(cls, url: str, prefix: str = "specgate", *, timeout_s: float = 2.0) -> PolicyStore:
+        # A pooled connection outlives a Redis restart only as a dead socket: retry a command once
+        # on a fresh one rather than fail it.
         client = aioredis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            url,
+            decode_responses=True,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=1),
+            retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
         )
         return cls(client, prefix)
 
