@@ -33,7 +33,7 @@ from policies.store import PolicyStore, StoredPolicy, VersionConflict
 _log = logging.getLogger(__name__)
 
 STORE_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-MAX_BACKOFF_S = 5.0
+MAX_BACKOFF_S = 2.0
 
 
 @dataclass(frozen=True)

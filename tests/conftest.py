@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -16,6 +15,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.services import RedisServer, free_port
 from workers import launch
 
 
@@ -97,45 +97,6 @@ async def running_app(app: web.Application) -> AsyncIterator[str]:
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@dataclass
-class RedisServer:
-    """A real redis-server on a free port; it can be killed and restarted on the same port."""
-
-    port: int
-    workdir: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, wait_s: float = 10.0) -> None:
-        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = launch.spawn([*argv, "--dir", str(self.workdir)], self.workdir / "redis.log")
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as c:
-                c.sendall(b"PING\r\n")
-                if c.recv(16).startswith(b"+PONG"):
-                    return
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server did not start: {(self.workdir / 'redis.log').read_text(errors='replace')}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
 
 @pytest.fixture
