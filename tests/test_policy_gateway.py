@@ -15,11 +15,12 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.services import RedisServer
 from gateway.app import make_app
 from gateway.config import GatewaySettings, StoreSettings
 from policies.document import PolicyDocument, parse
 from policies.store import PolicyStore
-from tests.conftest import RedisServer, SimProcess, running_app
+from tests.conftest import SimProcess, running_app
 from workers.pools import FleetSettings
 from workers.snapshot import Pool
 

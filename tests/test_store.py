@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from bench.services import RedisServer
 from policies.document import PolicyDocument, parse
 from policies.store import PolicyStore, VersionConflict
-from tests.conftest import RedisServer
 
 
 def doc(policy: str = "least-loaded", **changes: object) -> PolicyDocument:
