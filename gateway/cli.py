@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.policy_cli import add_policy_command
+from gateway.pools_cli import add_pools_command
 from workers.sim.engine import EngineConfig, Mode, kv_blocks
 from workers.sim.profiles import DEFAULT_PROFILE, PROFILES, SOURCES, get_profile
 
@@ -374,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim(sub)
     _add_bench(sub)
     add_policy_command(sub)
+    add_pools_command(sub)
     return parser
 
 

@@ -36,6 +36,7 @@ from policies.registry import POLICY_NAMES, SloTargets
 from workers.pools import FleetSettings
 from workers.sim.profiles import DEFAULT_PROFILE, PROFILES
 from workers.snapshot import Pool
+from workers.vllm_launch import LaunchConfigError, LaunchPlan, parse_launch
 
 
 class ConfigError(ValueError):
@@ -165,9 +166,18 @@ def initial_document(
         raise ConfigError(f"policy: {exc}") from None
 
 
-def parse_settings(doc: Mapping[str, Any]) -> GatewaySettings:
+def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettings:
+    """Settings from a decoded config. A [launch] section (the vLLM servers `specgate pools up`
+    starts) supplies [models] and [pools] when the config does not."""
     sections: dict[str, dict[str, Any]] = {}
+    launched: LaunchPlan | None = None
     for name, section in doc.items():
+        if name == "launch":
+            try:
+                launched = parse_launch(section, base)
+            except LaunchConfigError as exc:
+                raise ConfigError(str(exc)) from None
+            continue
         if name not in _SCHEMA:
             raise ConfigError(f"{name}: unknown section; known: {', '.join(_SCHEMA)}")
         if not isinstance(section, dict):
@@ -185,6 +195,12 @@ def parse_settings(doc: Mapping[str, Any]) -> GatewaySettings:
     def seconds(section: str, key: str, default_ms: float) -> float:
         return _positive(f"{section}.{key}", get(section, key, default_ms)) / 1e3
 
+    if launched is not None:
+        sections.setdefault("models", {"served": [launched.model_name]})
+        if not sections.get("pools"):
+            sections["pools"] = {
+                pool.value: {"urls": [s.url for s in launched.servers if s.pool is pool]} for pool in Pool
+            }
     served = get("models", "served", [])
     for i, model in enumerate(served):
         if not isinstance(model, str) or not model:
@@ -265,4 +281,4 @@ def load_settings(path: Path) -> GatewaySettings:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return parse_settings(doc)
+    return parse_settings(doc, path.resolve().parent)

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 _READY = re.compile(r"listening on (http://\S+)")
@@ -27,15 +27,20 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def spawn(argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(
+    argv: Sequence[str], log: Path, *, env: Mapping[str, str] | None = None, detach: bool = False
+) -> subprocess.Popen[bytes]:
+    """Start a child with its output in `log`. It dies with this process unless `detach`, which
+    leaves it running in a session of its own."""
     with log.open("wb") as out:
         return subprocess.Popen(
             list(argv),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=_die_with_parent,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            preexec_fn=None if detach else _die_with_parent,
+            start_new_session=detach,
         )
 
 

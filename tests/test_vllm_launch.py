@@ -1,0 +1,124 @@
+"""The [launch] section: vLLM command lines, the speculative config, and flags vLLM removed or never had."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.cli import main
+from gateway.config import ConfigError, parse_settings
+from workers.snapshot import Pool
+from workers.vllm_launch import LaunchConfigError, parse_launch
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+LAUNCH: dict[str, Any] = {
+    "python": "/opt/vllm/bin/python",
+    "model": "./models/smol",
+    "served_model_name": "smol",
+    "args": ["--dtype", "bfloat16", "--max-model-len", "2048"],
+    "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+    "speculative": [{"port": 8101, "speculative_config": NGRAM, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}],
+    "plain": [{"port": 8102, "args": ["--enforce-eager"], "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}],
+}
+
+
+def with_(path: str, value: object) -> dict[str, Any]:
+    doc = json.loads(json.dumps(LAUNCH))
+    node = doc
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[last] = value
+    return doc
+
+
+def test_command_lines(tmp_path: Path) -> None:
+    plan = parse_launch(LAUNCH, tmp_path)
+    spec, plain = plan.servers
+    assert (spec.pool, spec.name, plain.pool, plain.name) == (Pool.SPECULATIVE, "spec-0", Pool.PLAIN, "plain-0")
+    model = str(tmp_path / "models" / "smol")  # relative to the config file
+    assert spec.argv() == [
+        "/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--host", "127.0.0.1", "--port", "8101", "--served-model-name", "smol",
+        "--dtype", "bfloat16", "--max-model-len", "2048",
+        "--speculative-config", json.dumps(NGRAM, separators=(",", ":")),
+    ]  # fmt: skip
+    assert "--speculative-config" not in plain.argv()
+    assert plain.argv()[-1] == "--enforce-eager"
+    assert spec.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert plan.gateway_config() == (
+        '[models]\nserved = ["smol"]\n\n[pools.speculative]\nurls = ["http://127.0.0.1:8101"]\n\n'
+        '[pools.plain]\nurls = ["http://127.0.0.1:8102"]\n'
+    )
+
+
+def test_a_hub_model_id_stays_as_given(tmp_path: Path) -> None:
+    plan = parse_launch(with_("model", "meta-llama/Llama-3.1-8B-Instruct"), tmp_path)
+    assert plan.servers[0].model == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@pytest.mark.parametrize(
+    ("flag", "replacement"),
+    [
+        ("--speculative-model", "--speculative-config"),
+        ("--speculative_model=tiny", "--speculative-config"),
+        ("--num-speculative-tokens", "num_speculative_tokens inside --speculative-config"),
+        ("--speculative-disable-by-batch-size", "adaptive or threshold policy"),
+        ("--speculative-logits-mode", "never a vLLM flag"),
+        ("--draft-model-tp", "draft_tensor_parallel_size"),
+        ("--speculative-config", "[[launch.speculative]]"),
+    ],
+)
+def test_retired_flags_name_their_replacement(flag: str, replacement: str) -> None:
+    with pytest.raises(LaunchConfigError) as exc:
+        parse_launch(with_("speculative.0.args", [flag, "5"]))
+    assert str(exc.value).startswith(f"launch.speculative[0].args: {flag.split('=')[0].replace('_', '-')}")
+    assert replacement in str(exc.value)
+
+
+SPEC = "speculative.0.speculative_config"
+SPEC_KEY = "launch.speculative[0].speculative_config"
+
+
+@pytest.mark.parametrize(
+    ("doc", "key"),
+    [
+        (with_(SPEC, None), SPEC_KEY),
+        (with_(SPEC, {**NGRAM, "method": "guess"}), f"{SPEC_KEY}.method"),
+        (with_(SPEC, {**NGRAM, "num_speculative_tokens": 0}), f"{SPEC_KEY}.num_speculative_tokens"),
+        (with_(SPEC, {"method": "draft_model", "num_speculative_tokens": 3}), f"{SPEC_KEY}.model"),
+        (with_(SPEC, {**NGRAM, "prompt_lookup_min": 5}), SPEC_KEY),
+        (with_("plain.0.speculative_config", NGRAM), "launch.plain[0].speculative_config"),
+        (with_("plain.0.port", 8101), "launch.plain[0].port"),
+        (with_("plain.0.port", 70000), "launch.plain[0].port"),
+        (with_("plain.0.colour", "red"), "launch.plain[0].colour"),
+        (with_("env", {"A": 1}), "launch.env"),
+        (with_("args", "--enforce-eager"), "launch.args"),
+        (with_("speculative", []) | {"plain": []}, "launch"),
+        (with_("wings", 2), "launch.wings"),
+    ],
+)  # fmt: skip
+def test_errors_name_the_key(doc: dict[str, Any], key: str) -> None:
+    with pytest.raises(LaunchConfigError) as exc:
+        parse_launch(doc)
+    assert str(exc.value).startswith(key)
+
+
+def test_the_gateway_routes_to_the_launched_servers_when_no_pools_are_given() -> None:
+    settings = parse_settings({"launch": LAUNCH})
+    assert settings.models == ("smol",)
+    assert settings.pools == {Pool.SPECULATIVE: ("http://127.0.0.1:8101",), Pool.PLAIN: ("http://127.0.0.1:8102",)}
+    with pytest.raises(ConfigError, match=r"launch\.speculative"):
+        parse_settings({"launch": with_("speculative.0.args", ["--num-speculative-tokens", "3"])})
+
+
+def test_pools_commands_refuse_bad_configs(tmp_path: Path) -> None:
+    config = tmp_path / "specgate.toml"
+    config.write_text(
+        '[launch]\nmodel = "m"\n[[launch.speculative]]\nport = 8101\nargs = ["--speculative-model", "d"]\n'
+    )
+    assert main(["pools", "up", "--config", str(config)]) == 2
+    config.write_text('[models]\nserved = ["m"]\n')
+    assert main(["pools", "up", "--config", str(config)]) == 2  # nothing to start
+    assert main(["pools", "down", "--config", str(tmp_path / "missing.toml")]) == 2
