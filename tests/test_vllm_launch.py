@@ -24,8 +24,8 @@ LAUNCH: dict[str, Any] = {
 
 
 def with_(path: str, value: object) -> dict[str, Any]:
-    doc = json.loads(json.dumps(LAUNCH))
-    node = doc
+    doc: dict[str, Any] = json.loads(json.dumps(LAUNCH))
+    node: Any = doc
     *parents, last = path.split(".")
     for key in parents:
         node = node[int(key)] if isinstance(node, list) else node[key]
