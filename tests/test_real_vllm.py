@@ -1,0 +1,253 @@
+"""The whole system against real vLLM: one n-gram speculative and one plain server of SmolLM2-135M
+on this CPU (scripts/setup-vllm builds them once), the gateway in front, the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from bench.services import free_port
+from gateway.app import make_app
+from gateway.config import GatewaySettings, initial_document
+from gateway.state import FLEET
+from tests.conftest import running_app
+from workers.pools import FleetSettings
+from workers.snapshot import Pool
+from workers.vllm_launch import Running, parse_launch, start, stop, wait_healthy
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+CODE = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" * 4
+COPY = f"Repeat the following code exactly, with no changes:\n\n{CODE}"
+
+
+@dataclass
+class RealPools:
+    spec: Running
+    plain: Running
+
+    def urls(self) -> dict[Pool, tuple[str, ...]]:
+        return {Pool.SPECULATIVE: (self.spec.spec.url,), Pool.PLAIN: (self.plain.spec.url,)}
+
+
+@pytest.fixture(scope="module")
+def real_pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealPools]:
+    setup = subprocess.run([str(ROOT / "scripts" / "setup-vllm")], capture_output=True, text=True, check=False)
+    assert setup.returncode == 0, f"scripts/setup-vllm failed:\n{setup.stderr[-3000:]}"
+    python, model = setup.stdout.split()[-2:]
+    cores = os.cpu_count() or 1
+    plan = parse_launch(
+        {
+            "python": python,
+            "model": model,
+            "served_model_name": MODEL,
+            "args": ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048"],
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+            "log_dir": str(tmp_path_factory.mktemp("vllm")),
+            # One core each where there are two (as CI has); shared where there is one.
+            "speculative": [
+                {"port": free_port(), "speculative_config": NGRAM, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}
+            ],
+            "plain": [{"port": free_port(), "env": {"VLLM_CPU_OMP_THREADS_BIND": "1" if cores > 1 else "0"}}],
+        }
+    )
+    servers = start(plan)
+
+    async def ready() -> None:
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(wait_healthy(s, 600, session) for s in servers))
+            # The first request to a server is slow (compilation, caches): pay it here.
+            body = {"model": MODEL, "messages": [{"role": "user", "content": COPY}], "max_tokens": 16}
+            for s in servers:
+                async with session.post(f"{s.spec.url}/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+
+    try:
+        asyncio.run(ready())
+        yield RealPools(*servers)
+    finally:
+        asyncio.run(stop(servers))
+
+
+@contextlib.asynccontextmanager
+async def gateway(pools: RealPools, policy: str = "adaptive") -> AsyncIterator[tuple[str, web.Application]]:
+    settings = GatewaySettings(
+        models=(MODEL,),
+        pools=pools.urls(),
+        port=0,
+        policy=initial_document(policy, {}),
+        fleet=FleetSettings(scrape_interval_s=0.1),
+    )
+    app = make_app(settings)
+    async with running_app(app) as url:
+        yield url, app
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+async def server_gauge(server: Running, name: str) -> float:
+    async with aiohttp.ClientSession() as session, session.get(f"{server.spec.url}/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") or line.startswith(f"{name} "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not on {server.spec.url}/metrics")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_through_the_gateway(real_pools: RealPools, stream: bool) -> None:
+    messages: Any = [{"role": "user", "content": "Name three colours."}]
+    async with gateway(real_pools) as (url, _), client(url) as api:
+        if stream:
+            text, usage = "", None
+            async with api.chat.completions.with_streaming_response.create(
+                model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True,
+                stream_options={"include_usage": True},
+            ) as raw:  # fmt: skip
+                headers = raw.headers
+                async for chunk in await raw.parse():
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        text += chunk.choices[0].delta.content
+                    usage = chunk.usage or usage
+        else:
+            raw_reply = await api.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=24, temperature=0
+            )
+            headers, reply = raw_reply.headers, raw_reply.parse()
+            text, usage = reply.choices[0].message.content or "", reply.usage
+    assert text.strip()
+    assert usage is not None
+    assert 0 < usage.completion_tokens <= 24
+    assert headers["x-route-pool"] in ("speculative", "plain")
+    assert headers["x-route-replica"] in ("spec-0", "plain-0")
+    assert float(headers["x-predicted-ttft-ms"]) > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_through_the_gateway(real_pools: RealPools, stream: bool) -> None:
+    async with gateway(real_pools) as (url, _), client(url) as api:
+        if stream:
+            pieces = [c.choices[0].text async for c in await api.completions.create(
+                model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, stream=True,
+            ) if c.choices]  # fmt: skip
+            text = "".join(pieces)
+        else:
+            reply = await api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12)
+            text = reply.choices[0].text
+            assert reply.usage is not None
+            assert reply.usage.completion_tokens <= 12
+    assert text.strip()
+
+
+async def test_routing_follows_slo_headers(real_pools: RealPools) -> None:
+    messages: Any = [{"role": "user", "content": "Say hello."}]
+
+    async def reason(headers: dict[str, str]) -> tuple[str, str]:
+        raw = await api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=8, extra_headers=headers
+        )
+        return raw.headers["x-route-reason"], raw.headers["x-route-pool"]
+
+    async with gateway(real_pools) as (url, _), client(url) as api:
+        assert (await reason({}))[0] == "fastest"
+        assert (await reason({"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "10000"}))[0] in ("meets-slo", "explore")
+        assert (await reason({"x-slo-ttft-ms": "0.01"}))[0] == "best-effort"
+        assert await reason({"x-route-pool": "plain"}) == ("forced", "plain")
+        assert await reason({"x-route-pool": "speculative"}) == ("forced", "speculative")
+
+
+async def test_routing_follows_load(real_pools: RealPools) -> None:
+    """Long streams held open on the speculative server send the next requests to the plain one."""
+    async with gateway(real_pools, "least-loaded") as (url, _), aiohttp.ClientSession() as session:
+        long = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1500,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        held = []
+        for _ in range(3):
+            r = await session.post(f"{url}/v1/chat/completions", json=long, headers={"x-route-pool": "speculative"})
+            await r.content.readany()  # streaming has begun: the server holds the request
+            held.append(r)
+        try:
+            short = {"model": MODEL, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}
+            slo = {"x-slo-ttft-ms": "30000", "x-slo-tpot-ms": "5000"}
+            for _ in range(3):
+                async with session.post(f"{url}/v1/chat/completions", json=short, headers=slo) as r:
+                    assert r.status == 200
+                    assert r.headers["x-route-pool"] == "plain", r.headers["x-route-reason"]
+        finally:
+            for r in held:
+                r.close()
+
+
+async def test_the_scraper_reads_real_metrics_and_acceptance(real_pools: RealPools) -> None:
+    async with gateway(real_pools) as (url, app), client(url) as api:
+        await api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": COPY}], max_tokens=96, temperature=0,
+            extra_headers={"x-route-pool": "speculative"},
+        )  # fmt: skip
+        fleet = app[FLEET]
+        for _ in range(50):  # a few scrape intervals, until one after the request finished
+            spec = fleet.replicas["spec-0"]
+            if spec.tokens_per_step is not None and spec.load is not None and spec.load.running == 0:
+                break
+            await asyncio.sleep(0.1)
+        spec, plain = fleet.replicas["spec-0"], fleet.replicas["plain-0"]
+        assert spec.healthy
+        assert plain.healthy
+        # n-gram drafts on a copy-heavy prompt: several tokens a step, read from vLLM's counters
+        assert spec.tokens_per_step is not None
+        assert spec.tokens_per_step > 1.5
+        assert plain.tokens_per_step is None  # no spec_decode counters on a plain server
+        for replica in (spec, plain):
+            assert replica.load is not None
+            assert replica.load.running == 0.0
+            assert replica.load.kv_usage is not None
+
+
+async def test_a_client_that_disconnects_frees_the_real_server(real_pools: RealPools) -> None:
+    async with gateway(real_pools) as (url, _), aiohttp.ClientSession() as session:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count slowly."}], "max_tokens": 1800,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        r = await session.post(f"{url}/v1/chat/completions", json=body, headers={"x-route-pool": "plain"})
+        await r.content.readany()
+        assert await server_gauge(real_pools.plain, "vllm:num_requests_running") == 1.0
+        r.close()  # the client goes away mid-stream
+        for _ in range(100):
+            if await server_gauge(real_pools.plain, "vllm:num_requests_running") == 0.0:
+                break
+            await asyncio.sleep(0.1)
+        assert await server_gauge(real_pools.plain, "vllm:num_requests_running") == 0.0
+
+
+async def test_killing_a_server_fails_no_request_that_had_not_started(real_pools: RealPools) -> None:
+    """Last in this module: it kills the plain server."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a haiku."}], "max_tokens": 24}
+    async with gateway(real_pools, "round-robin") as (url, _), aiohttp.ClientSession() as session:
+
+        async def one(delay: float) -> int:
+            await asyncio.sleep(delay)
+            async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+                await r.read()
+                return r.status
+
+        requests = [asyncio.create_task(one(0.15 * i)) for i in range(16)]
+        await asyncio.sleep(0.8)  # some requests are on the plain server, not yet answered
+        os.kill(real_pools.plain.proc.pid, signal.SIGKILL)
+        statuses = await asyncio.gather(*requests)
+    assert statuses == [200] * len(statuses)
