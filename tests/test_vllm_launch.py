@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from gateway.cli import main
-from gateway.config import ConfigError, parse_settings
+from gateway.config import ConfigError, load_settings, parse_settings
 from workers.snapshot import Pool
 from workers.vllm_launch import LaunchConfigError, parse_launch
 
@@ -122,3 +122,9 @@ def test_pools_commands_refuse_bad_configs(tmp_path: Path) -> None:
     config.write_text('[models]\nserved = ["m"]\n')
     assert main(["pools", "up", "--config", str(config)]) == 2  # nothing to start
     assert main(["pools", "down", "--config", str(tmp_path / "missing.toml")]) == 2
+
+
+@pytest.mark.parametrize(("name", "spec", "plain"), [("cpu.toml", 1, 1), ("gpu.toml", 4, 4)])
+def test_the_deploy_configs_parse(name: str, spec: int, plain: int) -> None:
+    settings = load_settings(Path(__file__).resolve().parents[1] / "deploy" / name)
+    assert (len(settings.pools[Pool.SPECULATIVE]), len(settings.pools[Pool.PLAIN])) == (spec, plain)

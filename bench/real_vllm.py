@@ -1,0 +1,250 @@
+"""Routing real vLLM servers on this CPU: every policy over the same requests, side by side, in one run.
+
+    python -m bench.real_vllm [--requests 12] [--concurrency 1,2,4] [--slo-ttft-ms 2000] [--slo-tpot-ms 80]
+                              [--policies adaptive,least-loaded,round-robin,speculative-only,plain-only] [--out docs]
+
+One n-gram speculative and one plain vLLM server of SmolLM2-135M-Instruct (scripts/setup-vllm), each
+on a core of its own, behind a gateway process per policy. The workload alternates copy-heavy
+prompts (repeat this code: n-gram speculation drafts from the prompt and shines) and free
+generation (nothing to draft from), streamed with usage, at each concurrency level (closed loop:
+that many clients, each sending its next request when the last one ends). Measured by the client:
+TTFT, TPOT (from the first to the last content chunk over the completion tokens), and whether both
+SLOs were met; and, per pool and kind of prompt, the gateway's predicted TPOT (x-predicted-tpot-ms)
+against the measured one. Figures go to DIR/real_vllm.md and DIR/real_vllm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+
+from bench.overhead import pct
+from bench.services import free_port
+from workers import launch
+from workers.vllm_launch import LaunchPlan, parse_launch, start, stop, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+POLICIES = ("adaptive", "least-loaded", "round-robin", "speculative-only", "plain-only")
+SNIPPETS = (
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "for i in range(10):\n    total = total + values[i] * weights[i]\n    print(i, total)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "SELECT name, price FROM products WHERE price > 10 ORDER BY price DESC LIMIT 20;\n",
+)
+TOPICS = ("a lighthouse keeper", "the history of bread", "a city at night", "how rivers form", "a chess game")
+
+
+def workload(n: int) -> list[tuple[str, str]]:
+    """(kind, prompt): copy-heavy and free generation, alternating."""
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            code = SNIPPETS[(i // 2) % len(SNIPPETS)] * 3
+            out.append(("copy", f"Repeat the following code exactly, with no changes:\n\n{code}"))
+        else:
+            out.append(("free", f"Write a short story about {TOPICS[(i // 2) % len(TOPICS)]}."))
+    return out
+
+
+@dataclass
+class Sample:
+    kind: str
+    pool: str
+    ttft_ms: float
+    tpot_ms: float | None
+    predicted_tpot_ms: float | None
+    ok: bool
+
+
+async def one(
+    session: aiohttp.ClientSession, gateway: str, kind: str, prompt: str, max_tokens: int, slo: tuple[float, float]
+) -> Sample:
+    body = {
+        "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    headers = {"x-slo-ttft-ms": f"{slo[0]:g}", "x-slo-tpot-ms": f"{slo[1]:g}"}
+    sent = time.perf_counter()
+    first = last = 0.0
+    tokens = 0
+    async with session.post(f"{gateway}/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status != 200:
+            return Sample(kind, "none", float("nan"), None, None, False)
+        pool = r.headers.get("x-route-pool", "?")
+        predicted = r.headers.get("x-predicted-tpot-ms")
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            choices = event.get("choices") or []
+            if choices and choices[0].get("delta", {}).get("content"):
+                last = time.perf_counter()
+                first = first or last
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    ttft = (first - sent) * 1e3
+    tpot = (last - first) * 1e3 / (tokens - 1) if tokens > 1 else None
+    ok = ttft <= slo[0] and (tpot is None or tpot <= slo[1])
+    return Sample(kind, pool, ttft, tpot, float(predicted) if predicted else None, ok)
+
+
+async def closed_loop(
+    gateway: str, requests: list[tuple[str, str]], clients: int, max_tokens: int, slo: tuple[float, float]
+) -> list[Sample]:
+    queue = list(reversed(requests))
+    samples: list[Sample] = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def client() -> None:
+            while queue:
+                kind, prompt = queue.pop()
+                samples.append(await one(session, gateway, kind, prompt, max_tokens, slo))
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return samples
+
+
+def summary(samples: list[Sample]) -> dict[str, float]:
+    ttft = [s.ttft_ms for s in samples if s.ttft_ms == s.ttft_ms]
+    tpot = [s.tpot_ms for s in samples if s.tpot_ms is not None]
+    return {
+        "requests": len(samples),
+        "slo_attainment": sum(s.ok for s in samples) / len(samples),
+        "ttft_p50_ms": statistics.median(ttft) if ttft else float("nan"),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "tpot_p50_ms": statistics.median(tpot) if tpot else float("nan"),
+        "tpot_p99_ms": pct(tpot, 0.99),
+        "spec_share": sum(s.pool == "speculative" for s in samples) / len(samples),
+    }
+
+
+def launch_plan(python: str, model: str, log_dir: Path) -> LaunchPlan:
+    return parse_launch(
+        {
+            "python": python, "model": model, "served_model_name": MODEL,
+            "args": ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048"],
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "log_dir": str(log_dir),
+            "speculative": [{"port": free_port(), "speculative_config": NGRAM,
+                             "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}],
+            "plain": [{"port": free_port(), "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}],
+        }
+    )  # fmt: skip
+
+
+async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path) -> dict[str, object]:
+    servers = start(plan)
+    runs: list[dict[str, object]] = []
+    slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(wait_healthy(s, 600, session) for s in servers))
+        config = workdir / "specgate.toml"
+        for policy in args.policies:
+            config.write_text(plan.gateway_config() + f'\n[policy]\nname = "{policy}"\n[scrape]\ninterval_ms = 100\n')
+            log = workdir / f"gateway-{policy}.log"
+            argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0"]
+            gateway = launch.spawn(argv, log)
+            try:
+                url = await launch.wait_ready(gateway, log)
+                await closed_loop(url, workload(4), 2, args.max_tokens, slo)  # warm both servers and the model
+                for clients in args.concurrency:
+                    samples = await closed_loop(url, workload(args.requests), clients, args.max_tokens, slo)
+                    runs.append({"policy": policy, "concurrency": clients, **summary(samples),
+                                 "samples": [asdict(s) for s in samples]})  # fmt: skip
+                    print(f"real_vllm: {policy} x{clients}: {runs[-1]['slo_attainment']:.2f}", file=sys.stderr)
+            finally:
+                await launch.terminate(gateway)
+    finally:
+        await stop(servers)
+    return {"slo_ttft_ms": slo[0], "slo_tpot_ms": slo[1], "max_tokens": args.max_tokens, "runs": runs}
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.0f}" if isinstance(v, float) and v == v else "-"
+
+
+def report(results: dict[str, object], command: str) -> str:
+    runs = results["runs"]
+    assert isinstance(runs, list)
+    levels = sorted({r["concurrency"] for r in runs})
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    by = {(r["policy"], r["concurrency"]): r for r in runs}
+    head = "| policy | " + " | ".join(f"x{c}" for c in levels) + " | mean |\n|---|" + "---|" * (len(levels) + 1)
+    rows = []
+    for p in policies:
+        values = [by[(p, c)]["slo_attainment"] for c in levels]
+        rows.append(f"| {p} | " + " | ".join(f"{v:.2f}" for v in values) + f" | {statistics.fmean(values):.2f} |")
+    detail = [
+        "| policy | clients | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | spec share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        detail.append(
+            f"| {r['policy']} | {r['concurrency']} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p99_ms'])} | "
+            f"{_fmt(r['tpot_p50_ms'])} | {_fmt(r['tpot_p99_ms'])} | {r['spec_share']:.2f} |"
+        )
+    model_rows = ["| pool | prompt | requests | measured TPOT p50 | predicted TPOT p50 |", "|---|---|---|---|---|"]
+    samples = [s for r in runs for s in r["samples"]]
+    for pool in ("speculative", "plain"):
+        for kind in ("copy", "free"):
+            group = [s for s in samples if s["pool"] == pool and s["kind"] == kind and s["tpot_ms"] is not None]
+            predicted = [s["predicted_tpot_ms"] for s in group if s["predicted_tpot_ms"] is not None]
+            if group:
+                measured = statistics.median(s["tpot_ms"] for s in group)
+                guess = statistics.median(predicted) if predicted else float("nan")
+                model_rows.append(f"| {pool} | {kind} | {len(group)} | {measured:.0f} ms | {_fmt(guess)} ms |")
+    return (
+        f"# Real vLLM on this CPU\n\n`{command}`\n\n"
+        f"One n-gram speculative and one plain vLLM server (vllm-cpu 0.32.0, SmolLM2-135M-Instruct in bfloat16,\n"
+        f"one core each), a gateway process per policy, SLO TTFT {results['slo_ttft_ms']:g} ms / TPOT "
+        f"{results['slo_tpot_ms']:g} ms, up to {results['max_tokens']} tokens per answer, half the prompts\n"
+        f"copy-heavy and half free generation. Machine: {platform.machine()}, {os.cpu_count()} cores; servers,\n"
+        f"gateway and clients share it.\n\n## SLO attainment by clients in flight\n\n{head}\n"
+        + "\n".join(rows)
+        + "\n\n## Latency (ms)\n\n"
+        + "\n".join(detail)
+        + "\n\n## The gateway's predictions against the real servers\n\n"
+        + "\n".join(model_rows)
+        + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--concurrency", type=lambda t: [int(v) for v in t.split(",")], default=[1, 2, 4])
+    parser.add_argument("--policies", type=lambda t: t.split(","), default=list(POLICIES))
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=80.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path("docs"))
+    args = parser.parse_args(argv)
+    setup = subprocess.run([str(ROOT / "scripts" / "setup-vllm")], capture_output=True, text=True, check=True)
+    python, model = setup.stdout.split()[-2:]
+    with tempfile.TemporaryDirectory(prefix="specgate-real-") as tmp:
+        results = asyncio.run(run(args, launch_plan(python, model, Path(tmp)), Path(tmp)))
+    command = "python -m bench.real_vllm " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "real_vllm.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / "real_vllm.md").write_text(report(results, command.strip()))
+    print(report(results, command.strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
