@@ -274,11 +274,14 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
     )
 
 
-def load_settings(path: Path) -> GatewaySettings:
+def read_toml(path: Path) -> dict[str, Any]:
     try:
-        doc = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return parse_settings(doc, path.resolve().parent)
+
+
+def load_settings(path: Path) -> GatewaySettings:
+    return parse_settings(read_toml(path), path.resolve().parent)

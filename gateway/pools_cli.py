@@ -15,12 +15,12 @@ import argparse
 import asyncio
 import signal
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from gateway.config import ConfigError, read_toml
 from workers import launch
 from workers.vllm_launch import LaunchConfigError, LaunchPlan, parse_launch, start, stop, stop_recorded, wait_healthy
 
@@ -38,16 +38,16 @@ def add_pools_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     down.set_defaults(func=_down)
 
 
-def load_plan(path: Path) -> LaunchPlan:
+def load_plan(path: Path) -> LaunchPlan | None:
+    """The config's launch plan, or None after saying why there is none."""
     try:
-        doc = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise LaunchConfigError(f"cannot read {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise LaunchConfigError(f"{path}: not valid TOML: {exc}") from None
-    if "launch" not in doc:
-        raise LaunchConfigError(f"{path}: no [launch] section: nothing to start")
-    return parse_launch(doc["launch"], path.resolve().parent)
+        doc = read_toml(path)
+        if "launch" not in doc:
+            raise LaunchConfigError(f"{path}: no [launch] section: nothing to start")
+        return parse_launch(doc["launch"], path.resolve().parent)
+    except (ConfigError, LaunchConfigError) as exc:
+        print(f"specgate pools: {exc}", file=sys.stderr)
+        return None
 
 
 async def _run_up(plan: LaunchPlan, detach: bool) -> int:
@@ -87,19 +87,13 @@ async def _run_up(plan: LaunchPlan, detach: bool) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    try:
-        plan = load_plan(args.config)
-    except LaunchConfigError as exc:
-        print(f"specgate pools: {exc}", file=sys.stderr)
-        return 2
-    return asyncio.run(_run_up(plan, args.detach))
+    plan = load_plan(args.config)
+    return 2 if plan is None else asyncio.run(_run_up(plan, args.detach))
 
 
 def _down(args: argparse.Namespace) -> int:
-    try:
-        plan = load_plan(args.config)
-    except LaunchConfigError as exc:
-        print(f"specgate pools: {exc}", file=sys.stderr)
+    plan = load_plan(args.config)
+    if plan is None:
         return 2
     stopped = stop_recorded(plan.log_dir)
     print(f"specgate pools: stopped {', '.join(stopped) if stopped else 'nothing (none recorded running)'}")
