@@ -128,7 +128,10 @@ async def test_admin_api_changes_the_policy_in_memory(fleet: dict[Pool, tuple[st
         assert (status, error["error"]["param"]) == (428, "If-Match")
         status, error = await put(session, url, b'{"schema_version": 1, "pools": {"plain": {"weight": -1}}}', "0")
         assert (status, error["error"]["param"]) == (400, "pools.plain.weight")
-        assert (await chat(session, url))[1] == "0"  # the invalid document changed nothing
+        assert (await put(session, url, b" " * (1024 * 1024 + 1), "0"))[0] == 400  # over a megabyte
+        status, error = await put(session, url, b"{not json", "0")
+        assert (status, error["error"]["type"]) == (400, "invalid_request_error")
+        assert (await chat(session, url))[1] == "0"  # the invalid documents changed nothing
 
         status, applied = await put(session, url, body, "0", **{"x-change-reason": "spec pool misbehaves"})
         assert status == 200
