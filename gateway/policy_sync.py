@@ -151,7 +151,15 @@ class PolicyControl:
 
     async def resync(self) -> None:
         assert self.store is not None
-        stored = await self.store.current()
+        try:
+            stored = await self.store.current()
+        except (KeyError, ValueError) as exc:  # a record not written by specgate: never applied
+            if self._rejected != (-1, repr(exc)):
+                self._rejected = (-1, repr(exc))
+                self.metrics.policy_changes.labels("rejected").inc()
+                _log.error("the policy record in the store is malformed, keeping version %d: %r",
+                           self.current.version, exc)  # fmt: skip
+            return
         if stored is not None:
             self._apply_stored(stored)
 
@@ -182,5 +190,8 @@ class PolicyControl:
             except STORE_ERRORS as exc:
                 self._set_up(False)
                 _log.debug("policy store: %s; retrying in %.1f s", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
+            except Exception:  # anything else must not end the following for good
+                self._set_up(False)
+                _log.exception("following the policy store failed; retrying in %.1f s", backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)

@@ -160,11 +160,16 @@ async def test_gateway_follows_the_store_and_rejects_invalid_documents(
             await store.write(drained(Pool.PLAIN), expected_version=0, who="test", why="")
             assert await wait_for_version(session, url, 1) == "speculative"
 
-            # A document that bypassed validation never replaces the one in force.
-            await store.client.hset(store.key, mapping={"version": 2, "document": '{"schema_version": 9}'})
+            # A document that bypassed validation never replaces the one in force, nor does a
+            # record that is not one (written by hand, without a version).
+            await store.client.hset(store.key, mapping={"version": "two"})
             await asyncio.sleep(1.0)  # past a refresh
             assert await chat(session, url) == (200, "1", "speculative")
-            assert await metric(session, url, "specgate_policy_changes_total", outcome="rejected") == 1.0
+            await store.client.hset(store.key, mapping={"version": 2, "document": '{"schema_version": 9}'})
+            await asyncio.sleep(1.0)
+            assert await chat(session, url) == (200, "1", "speculative")
+            assert await metric(session, url, "specgate_policy_changes_total", outcome="rejected") == 2.0
+            assert await metric(session, url, "specgate_policy_store_up") == 1.0
 
             # Through the admin API, the change goes to the store, and from there to every gateway.
             status, applied = await put(session, url, drained(Pool.SPECULATIVE).dumps(), "2")
