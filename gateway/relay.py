@@ -78,7 +78,7 @@ class Relay:
         self.plan = plan
         """The plan in force; a new one is swapped in with one assignment."""
         self.lengths = LengthStats()
-        self._sequence = itertools.count()
+        self._sequence = itertools.count(1)  # 0 would make the very first request an exploration
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         try:
