@@ -90,8 +90,9 @@ class Adaptive:
         else:
             if self.shed and features.priority < self.shed_below_priority:
                 return Shed("slo-unattainable", self.retry_after_s)
-            # Past saving it, place the request where it costs the others' SLOs least: its harm
-            # counts as much as the requests there still stood to meet them (a replica whose
-            # requests are already late loses nothing more), then the least-violating.
+            # Past saving it, place the request where it costs the others' SLOs least: its harm,
+            # weighted by the chance a request has there (the measure at hand of how much the
+            # requests already there still stand to meet: where that is nil, they are late
+            # already and lose nothing more), then the least-violating.
             best, reason = min(options, key=lambda o: (o.chance * o.prediction.harm_ms, o.score)), "best-effort"
         return Decision(best.replica, reason, best.prediction.ttft_ms, best.prediction.tpot_ms)
