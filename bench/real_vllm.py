@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,13 +30,11 @@ from pathlib import Path
 import aiohttp
 
 from bench.overhead import pct
-from bench.services import free_port
+from bench.services import VLLM_MODEL, cpu_pools, setup_vllm
 from workers import launch
-from workers.vllm_launch import LaunchPlan, parse_launch, start, stop, wait_healthy
+from workers.vllm_launch import LaunchPlan, start, stop, wait_healthy
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = "smollm2-135m"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+MODEL = VLLM_MODEL
 POLICIES = ("adaptive", "least-loaded", "round-robin", "speculative-only", "plain-only")
 SNIPPETS = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -133,19 +130,6 @@ def summary(samples: list[Sample]) -> dict[str, float]:
     }
 
 
-def launch_plan(python: str, model: str, log_dir: Path) -> LaunchPlan:
-    return parse_launch(
-        {
-            "python": python, "model": model, "served_model_name": MODEL,
-            "args": ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048"],
-            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "log_dir": str(log_dir),
-            "speculative": [{"port": free_port(), "speculative_config": NGRAM,
-                             "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}],
-            "plain": [{"port": free_port(), "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}],
-        }
-    )  # fmt: skip
-
-
 async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path) -> dict[str, object]:
     servers = start(plan)
     runs: list[dict[str, object]] = []
@@ -234,10 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("docs"))
     args = parser.parse_args(argv)
-    setup = subprocess.run([str(ROOT / "scripts" / "setup-vllm")], capture_output=True, text=True, check=True)
-    python, model = setup.stdout.split()[-2:]
+    python, model = setup_vllm()
     with tempfile.TemporaryDirectory(prefix="specgate-real-") as tmp:
-        results = asyncio.run(run(args, launch_plan(python, model, Path(tmp)), Path(tmp)))
+        results = asyncio.run(run(args, cpu_pools(python, model, Path(tmp)), Path(tmp)))
     command = "python -m bench.real_vllm " + " ".join(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "real_vllm.json").write_text(json.dumps(results, indent=1) + "\n")

