@@ -63,7 +63,7 @@ def _json(body: object, status: int = 200) -> web.Response:
 async def get_policy(request: web.Request) -> web.Response:
     _authorize(request)
     control = request.app[POLICY]
-    return _json({**control.current.to_json(), "store": "redis" if control.store else "memory"})
+    return _json({**control.current.to_json(), "store": control.source})
 
 
 async def put_policy(request: web.Request) -> web.Response:
@@ -95,7 +95,7 @@ async def put_policy(request: web.Request) -> web.Response:
         raise Conflict(str(exc), param="If-Match") from None
     except STORE_ERRORS as exc:
         raise StoreUnavailable(f"the policy store is unreachable: {exc}") from None
-    return _json({**applied.to_json(), "store": "redis" if control.store else "memory"})
+    return _json({**applied.to_json(), "store": control.source})
 
 
 def add_admin_routes(app: web.Application) -> None:

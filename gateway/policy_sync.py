@@ -54,10 +54,6 @@ class Applied:
         }
 
 
-def _from_stored(stored: StoredPolicy) -> Applied:
-    return Applied(stored.version, stored.parsed(), stored.who, stored.when, stored.why)
-
-
 class PolicyControl:
     def __init__(
         self,
@@ -87,35 +83,42 @@ class PolicyControl:
         self._held = (applied.version, applied.document.dumps().decode())
         self.metrics.policy_version.set(applied.version)
 
-    def _apply_stored(self, stored: StoredPolicy) -> None:
+    @property
+    def source(self) -> str:
+        return "redis" if self.store is not None else "memory"
+
+    def _adopt(self, applied: Applied) -> None:
+        self._install(applied)
+        self.metrics.policy_changes.labels("applied").inc()
+        _log.info("policy version %d applied (%s: %s)", applied.version, applied.who, applied.why)
+
+    def _apply_stored(self, stored: StoredPolicy, document: PolicyDocument | None = None) -> None:
+        """Apply what the store holds; `document`, when given, is `stored.document` already parsed."""
         # Whatever the store holds is the truth, even an older version (a Redis restored from a
         # backup, or restarted empty and written again): compare the document, not just the number.
         seen = (stored.version, stored.document)
         if seen in (self._held, self._rejected):
             return
         try:
-            applied = _from_stored(stored)
+            applied = Applied(stored.version, document or stored.parsed(), stored.who, stored.when, stored.why)
         except DocumentError as exc:
             self._rejected = seen  # counted and logged once, not on every re-read
             self.metrics.policy_changes.labels("rejected").inc()
             _log.error("policy version %d in the store is invalid, keeping version %d: %s",
                        stored.version, self.current.version, exc)  # fmt: skip
             return
-        self._install(applied)
-        self.metrics.policy_changes.labels("applied").inc()
-        _log.info("policy version %d applied (%s: %s)", applied.version, applied.who, applied.why)
+        self._adopt(applied)
         self._write_cache(applied)
 
     async def update(self, document: PolicyDocument, *, expected_version: int | None, who: str, why: str) -> Applied:
         """Make `document` the policy: in the store (every gateway follows) or, without one, here."""
         if self.store is not None:
             stored = await self.store.write(document, expected_version=expected_version, who=who, why=why)
-            self._apply_stored(stored)  # at once here; the other gateways hear of it
+            self._apply_stored(stored, document)  # at once here; the other gateways hear of it
             return self.current
         if expected_version is not None and expected_version != self.current.version:
             raise VersionConflict(expected_version, self.current.version)
-        self._install(Applied(self.current.version + 1, document, who, time.time(), why))
-        self.metrics.policy_changes.labels("applied").inc()
+        self._adopt(Applied(self.current.version + 1, document, who, time.time(), why))
         return self.current
 
     # --- the local cache -----------------------------------------------------------------------
