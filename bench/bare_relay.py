@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from workers.http import serve_until_cancelled
+from specgate.protocol.serving import serve_until_cancelled
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM = web.AppKey("upstream", str)

@@ -12,15 +12,16 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.acceptance import Acceptance, SpecCounters, acceptance
-from workers.sim.costs import TableStepModel
-from workers.sim.engine import Engine, EngineConfig, Mode
-from workers.sim.outcomes import FinishedRequest
-from workers.sim.profiles import A100_CODELLAMA_34B, WHITEPAPER, Profile
+from specgate.calibration.costs import TableStepModel
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import A100_CODELLAMA_34B, WHITEPAPER, Profile
+from specgate.sim.engine import Engine, EngineConfig
+from specgate.sim.outcomes import FinishedRequest
+from specgate.workers.acceptance import Acceptance, SpecCounters, acceptance
 
 
 def run_alone(
-    profile: Profile, mode: Mode, prompt: int, output: int, *, seed: int = 0, spread: bool = True
+    profile: Profile, mode: Pool, prompt: int, output: int, *, seed: int = 0, spread: bool = True
 ) -> FinishedRequest:
     """One request on an idle replica; `spread=False` gives it exactly the mean acceptance rate."""
     engine = Engine(profile, mode, EngineConfig(acceptance_concentration=None if spread else 0.0), seed=seed)
@@ -35,7 +36,7 @@ def run_alone(
 def decode_step(profile: Profile, batch: int, context: int) -> tuple[float, float]:
     """(forward ms, whole step ms) of a pure decode step of `batch` sequences at `context` tokens."""
     # A budget that prefills every prompt in the first step makes the second a pure decode.
-    engine = Engine(profile, Mode.PLAIN, EngineConfig(max_num_batched_tokens=batch * context))
+    engine = Engine(profile, Pool.PLAIN, EngineConfig(max_num_batched_tokens=batch * context))
     for i in range(batch):
         engine.add_request(f"r{i}", context - 1, 8, arrival=0.0)
     first = engine.step()
@@ -63,7 +64,7 @@ def load_point(
 ) -> LoadPoint:
     """`concurrency` requests arriving at once, in each mode: median TPOT and preemptions."""
     figures: list[tuple[float, int]] = []
-    for mode in (Mode.PLAIN, Mode.SPECULATIVE):
+    for mode in (Pool.PLAIN, Pool.SPECULATIVE):
         config = EngineConfig(acceptance_concentration=0.0, kv_capacity_tokens=kv_capacity)
         engine = Engine(profile, mode, config)
         for i in range(concurrency):
@@ -78,7 +79,7 @@ def load_point(
 
 def acceptance_after_run(profile: Profile, alpha: float, requests: int = 40) -> tuple[Acceptance | None, Engine]:
     """Acceptance read back from the spec counters after a speculative run at `alpha`."""
-    engine = Engine(profile, Mode.SPECULATIVE, EngineConfig(acceptance_mean=alpha, acceptance_concentration=0.0))
+    engine = Engine(profile, Pool.SPECULATIVE, EngineConfig(acceptance_mean=alpha, acceptance_concentration=0.0))
     for i in range(requests):
         engine.add_request(f"r{i}", 256, 400, arrival=0.0)
     while engine.has_work():
@@ -99,7 +100,7 @@ def report() -> str:
         "| mode | TTFT ms (target) | TPOT ms (target) | TPOT ms, mean of 40 requests with drawn acceptance |",
         "|---|---|---|---|",
     ]
-    for mode, ttft_want, tpot_want in ((Mode.PLAIN, 420.0, 38.0), (Mode.SPECULATIVE, 480.0, 18.0)):
+    for mode, ttft_want, tpot_want in ((Pool.PLAIN, 420.0, 38.0), (Pool.SPECULATIVE, 480.0, 18.0)):
         r = run_alone(WHITEPAPER, mode, 512, 256, spread=False)
         assert r.ttft is not None
         assert r.tpot is not None

@@ -19,19 +19,20 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bench.traces import TraceRequest
-from policies.decision import Decision
-from policies.features import RequestFeatures
-from policies.latency_model import LatencyModel
-from policies.length import LengthStats
-from policies.registry import RoutingPlan, build_policy
-from workers.acceptance import SpecCounters
-from workers.pools import Fleet, FleetSettings, Replica
-from workers.scrape import VllmLoad
-from workers.sim.engine import Engine, EngineConfig, Mode
-from workers.sim.outcomes import StepResult
-from workers.sim.profiles import Profile
-from workers.snapshot import Pool, ReplicaState
+from specgate.bench.traces import TraceRequest
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import Profile
+from specgate.policies.decision import Decision
+from specgate.policies.features import RequestFeatures
+from specgate.policies.latency_model import LatencyModel
+from specgate.policies.length import LengthStats
+from specgate.policies.registry import RoutingPlan, build_policy
+from specgate.sim.engine import Engine, EngineConfig
+from specgate.sim.outcomes import StepResult
+from specgate.workers.acceptance import SpecCounters
+from specgate.workers.pools import Fleet, FleetSettings, Replica
+from specgate.workers.scrape import VllmLoad
+from specgate.workers.snapshot import ReplicaState
 
 MODEL = "model"
 MAX_TOKENS = 4096
@@ -146,7 +147,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     fleet = Fleet(pools, FleetSettings(scrape_interval_s=scenario.scrape_interval_s))
     sims: dict[str, _SimReplica] = {}
     for i, (name, replica) in enumerate(fleet.replicas.items()):
-        mode = Mode.SPECULATIVE if replica.pool is Pool.SPECULATIVE else Mode.PLAIN
+        mode = Pool.SPECULATIVE if replica.pool is Pool.SPECULATIVE else Pool.PLAIN
         sims[name] = _SimReplica(Engine(profile, mode, EngineConfig(), seed=scenario.seed * 1000 + i))
     lengths = LengthStats()
     requests = [_fits(profile, r) for r in trace]

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import aiohttp
 
-from workers import launch
+from specgate.bench import bare_relay
+from specgate.bench import upstream as upstream_server
+from specgate.workers import launch
 
 BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
 STREAM_BODY = json.dumps(
@@ -181,7 +183,7 @@ async def run(seconds: float, workdir: Path) -> dict[str, PathFigures]:
     last_core = (os.cpu_count() or 1) - 1
     _pin(0, 0)
     upstream_log = workdir / "upstream.log"
-    upstream = launch.spawn([sys.executable, "-m", "bench.upstream", "--port", "0"], upstream_log)
+    upstream = launch.spawn(launch.module_argv(upstream_server, "--port", "0"), upstream_log)
     procs = [upstream]
     try:
         upstream_url = await launch.wait_ready(upstream, upstream_log)
@@ -189,14 +191,12 @@ async def run(seconds: float, workdir: Path) -> dict[str, PathFigures]:
         config = workdir / "specgate.toml"
         config.write_text(f'[models]\nserved = ["bench"]\n[pools.plain]\nurls = ["{upstream_url}"]\n')
         gateway_log = workdir / "gateway.log"
-        gateway = launch.spawn(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0"], gateway_log
-        )
+        gateway = launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0"), gateway_log)
         procs.append(gateway)
         gateway_url = await launch.wait_ready(gateway, gateway_log)
         _pin(gateway.pid, last_core)
         bare_log = workdir / "bare.log"
-        bare = launch.spawn([sys.executable, "-m", "bench.bare_relay", "--upstream", upstream_url], bare_log)
+        bare = launch.spawn(launch.module_argv(bare_relay, "--upstream", upstream_url), bare_log)
         procs.append(bare)
         bare_url = await launch.wait_ready(bare, bare_log)
         _pin(bare.pid, last_core)

@@ -35,11 +35,11 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.overhead import pct
-from bench.services import RedisServer, free_port
-from policies.document import PolicyDocument, parse
-from policies.store import PolicyStore
-from workers import launch
+from specgate.bench.overhead import pct
+from specgate.gateway.store import PolicyStore
+from specgate.policies.document import PolicyDocument, parse
+from specgate.testing import RedisServer, free_port
+from specgate.workers import launch
 
 MODEL = "m"
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
@@ -148,7 +148,7 @@ async def run(changes: int, clients: int, refresh_ms: float, workdir: Path) -> F
         gateways = []
         for i in range(2):
             log = workdir / f"gateway-{i}.log"
-            argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0"]
+            argv = launch.specgate_argv("serve", "--config", str(config), "--port", "0")
             proc = launch.spawn([*argv, "--redis", redis.url], log)
             procs.append(proc)
             gateways.append(await launch.wait_ready(proc, log))

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.overhead import pct
-from bench.services import VLLM_MODEL, cpu_pools, setup_vllm
-from workers import launch
-from workers.vllm_launch import LaunchPlan, start, stop, wait_healthy
+from specgate.bench.overhead import pct
+from specgate.testing import VLLM_MODEL, cpu_pools, setup_vllm
+from specgate.workers import launch
+from specgate.workers.vllm_launch import LaunchPlan, start, stop, wait_healthy
 
 MODEL = VLLM_MODEL
 POLICIES = ("adaptive", "least-loaded", "round-robin", "speculative-only", "plain-only")
@@ -141,7 +141,7 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path) -> dict
         for policy in args.policies:
             config.write_text(plan.gateway_config() + f'\n[policy]\nname = "{policy}"\n[scrape]\ninterval_ms = 100\n')
             log = workdir / f"gateway-{policy}.log"
-            argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", "0"]
+            argv = launch.specgate_argv("serve", "--config", str(config), "--port", "0")
             gateway = launch.spawn(argv, log)
             try:
                 url = await launch.wait_ready(gateway, log)

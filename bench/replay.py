@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from bench.offline import MAX_TOKENS, RunResult, Served
-from bench.traces import TraceRequest
-from workers.sim.protocol import SCRIPTED_OUTPUT_FIELD
-from workers.snapshot import Pool
-from workers.tokens import BYTES_PER_TOKEN, CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_PER_REPLY, completion_tokens
+from specgate.bench.offline import MAX_TOKENS, RunResult, Served
+from specgate.bench.traces import TraceRequest
+from specgate.calibration.modes import Pool
+from specgate.protocol.tokens import BYTES_PER_TOKEN, CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_PER_REPLY, completion_tokens
+from specgate.sim.requests import SCRIPTED_OUTPUT_FIELD
 
 _TEMPLATE_TOKENS = CHAT_TOKENS_PER_MESSAGE + CHAT_TOKENS_PER_REPLY
 

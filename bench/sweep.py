@@ -16,9 +16,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.offline import Fleetspec, Scenario, attainable, simulate
-from bench.traces import TraceRequest, read_trace, scaled
-from workers.sim.profiles import get_profile
+from specgate.bench.offline import Fleetspec, Scenario, attainable, simulate
+from specgate.bench.traces import TraceRequest, read_trace, scaled
+from specgate.calibration.profiles import get_profile
 
 ALL_PLAIN = "all-plain fleet"
 ALL_SPEC = "all-speculative fleet"

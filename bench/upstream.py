@@ -17,7 +17,7 @@ import contextlib
 import orjson
 from aiohttp import web
 
-from workers.http import serve_until_cancelled
+from specgate.protocol.serving import serve_until_cancelled
 
 _COMPLETION = orjson.dumps(
     {

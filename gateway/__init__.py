@@ -1,1 +1,2 @@
-"""specgate's HTTP face: the OpenAI-compatible gateway, its admin API and the command line."""
+"""specgate's HTTP face: the OpenAI-compatible gateway, its admin API, metrics, and the policy
+store it follows."""

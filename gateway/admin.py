@@ -17,11 +17,11 @@ import hmac
 import orjson
 from aiohttp import web
 
-from gateway.errors import BadRequest, GatewayError
-from gateway.policy_sync import STORE_ERRORS
-from gateway.state import POLICY, SETTINGS
-from policies.document import DocumentError, loads
-from policies.store import VersionConflict
+from specgate.gateway.errors import BadRequest, GatewayError
+from specgate.gateway.policy_sync import STORE_ERRORS
+from specgate.gateway.state import POLICY, SETTINGS
+from specgate.gateway.store import VersionConflict
+from specgate.policies.document import DocumentError, loads
 
 MAX_DOCUMENT_BYTES = 1024 * 1024
 MAX_REASON_CHARS = 500

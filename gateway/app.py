@@ -16,17 +16,17 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 
-from gateway.admin import add_admin_routes
-from gateway.config import GatewaySettings
-from gateway.errors import openai_errors
-from gateway.handlers import add_routes
-from gateway.metrics import GatewayMetrics
-from gateway.policy_sync import STORE_ERRORS, PolicyControl
-from gateway.relay import Relay
-from gateway.state import FLEET, METRICS, POLICY, RELAY, SESSION, SETTINGS
-from policies.store import PolicyStore
-from workers.http import serve_until_cancelled
-from workers.pools import Fleet
+from specgate.gateway.admin import add_admin_routes
+from specgate.gateway.config import GatewaySettings
+from specgate.gateway.errors import openai_errors
+from specgate.gateway.handlers import add_routes
+from specgate.gateway.metrics import GatewayMetrics
+from specgate.gateway.policy_sync import STORE_ERRORS, PolicyControl
+from specgate.gateway.relay import Relay
+from specgate.gateway.state import FLEET, METRICS, POLICY, RELAY, SESSION, SETTINGS
+from specgate.gateway.store import PolicyStore
+from specgate.protocol.serving import serve_until_cancelled
+from specgate.workers.pools import Fleet
 
 _log = logging.getLogger(__name__)
 

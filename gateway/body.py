@@ -12,8 +12,8 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import BadBody, ModelNotFound
-from workers.tokens import chat_prompt_tokens, completion_prompt_tokens
+from specgate.gateway.errors import BadBody, ModelNotFound
+from specgate.protocol.tokens import chat_prompt_tokens, completion_prompt_tokens
 
 
 class Endpoint(StrEnum):

@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from policies.document import SCHEMA_VERSION, DocumentError, PolicyDocument
-from policies.document import parse as parse_document
-from policies.registry import POLICY_NAMES, SloTargets
-from workers.pools import FleetSettings
-from workers.sim.profiles import DEFAULT_PROFILE, PROFILES
-from workers.snapshot import Pool
-from workers.vllm_launch import LaunchConfigError, LaunchPlan, parse_launch
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
+from specgate.policies.document import SCHEMA_VERSION, DocumentError, PolicyDocument
+from specgate.policies.document import parse as parse_document
+from specgate.policies.registry import POLICY_NAMES, SloTargets
+from specgate.workers.pools import FleetSettings
+from specgate.workers.vllm_launch import LaunchConfigError, LaunchPlan, parse_launch
 
 
 class ConfigError(ValueError):

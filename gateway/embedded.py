@@ -8,10 +8,10 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from gateway.config import GatewaySettings
-from workers import launch
-from workers.sim.profiles import DEFAULT_PROFILE, get_profile
-from workers.snapshot import Pool
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import DEFAULT_PROFILE, get_profile
+from specgate.gateway.config import GatewaySettings
+from specgate.workers import launch
 
 REPLICAS_PER_POOL = 2
 

@@ -6,10 +6,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway.body import Endpoint
-from gateway.errors import NoHealthyReplica
-from gateway.metrics import CONTENT_TYPE
-from gateway.state import FLEET, METRICS, RELAY, SESSION
+from specgate.gateway.body import Endpoint
+from specgate.gateway.errors import NoHealthyReplica
+from specgate.gateway.metrics import CONTENT_TYPE
+from specgate.gateway.state import FLEET, METRICS, RELAY, SESSION
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from workers.pools import Fleet, Replica
+from specgate.workers.pools import Fleet, Replica
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

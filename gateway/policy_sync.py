@@ -24,11 +24,11 @@ from pathlib import Path
 import orjson
 import redis.exceptions
 
-from gateway.metrics import GatewayMetrics
-from gateway.relay import Relay
-from policies.document import DocumentError, PolicyDocument
-from policies.document import parse as parse_document
-from policies.store import PolicyStore, StoredPolicy, VersionConflict
+from specgate.gateway.metrics import GatewayMetrics
+from specgate.gateway.relay import Relay
+from specgate.gateway.store import PolicyStore, StoredPolicy, VersionConflict
+from specgate.policies.document import DocumentError, PolicyDocument
+from specgate.policies.document import parse as parse_document
 
 _log = logging.getLogger(__name__)
 

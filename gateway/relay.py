@@ -19,9 +19,9 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.body import Endpoint, parse_body
-from gateway.config import GatewaySettings
-from gateway.errors import (
+from specgate.gateway.body import Endpoint, parse_body
+from specgate.gateway.config import GatewaySettings
+from specgate.gateway.errors import (
     BodyTooLarge,
     GatewayError,
     NoHealthyReplica,
@@ -29,14 +29,14 @@ from gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from gateway.metrics import GatewayMetrics
-from gateway.sla import REQUEST_ID, RoutingHeaders, parse_routing_headers
-from policies.decision import Decision, Shed
-from policies.features import RequestFeatures
-from policies.length import LengthStats
-from policies.registry import RoutingPlan
-from workers.pools import Fleet, Replica
-from workers.tokens import completion_tokens
+from specgate.gateway.metrics import GatewayMetrics
+from specgate.gateway.sla import REQUEST_ID, RoutingHeaders, parse_routing_headers
+from specgate.policies.decision import Decision, Shed
+from specgate.policies.features import RequestFeatures
+from specgate.policies.length import LengthStats
+from specgate.policies.registry import RoutingPlan
+from specgate.protocol.tokens import completion_tokens
+from specgate.workers.pools import Fleet, Replica
 
 # Connection-level headers (RFC 9110 section 7.6.1) and the ones aiohttp sets itself.
 _HOP_BY_HOP = frozenset(

@@ -11,9 +11,9 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gateway.errors import BadHeader
-from policies.registry import SloTargets
-from workers.snapshot import Pool
+from specgate.calibration.modes import Pool
+from specgate.gateway.errors import BadHeader
+from specgate.policies.registry import SloTargets
 
 SLO_TTFT = "x-slo-ttft-ms"
 SLO_TPOT = "x-slo-tpot-ms"

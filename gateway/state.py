@@ -5,11 +5,11 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 
-from gateway.config import GatewaySettings
-from gateway.metrics import GatewayMetrics
-from gateway.policy_sync import PolicyControl
-from gateway.relay import Relay
-from workers.pools import Fleet
+from specgate.gateway.config import GatewaySettings
+from specgate.gateway.metrics import GatewayMetrics
+from specgate.gateway.policy_sync import PolicyControl
+from specgate.gateway.relay import Relay
+from specgate.workers.pools import Fleet
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 SESSION = web.AppKey("session", aiohttp.ClientSession)

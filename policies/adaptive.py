@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.decision import Decision, Shed, spread
-from policies.features import RequestFeatures
-from policies.latency_model import LatencyModel, Prediction
-from workers.snapshot import ReplicaState, Snapshot
+from specgate.policies.decision import Decision, Shed, spread
+from specgate.policies.features import RequestFeatures
+from specgate.policies.latency_model import LatencyModel, Prediction
+from specgate.workers.snapshot import ReplicaState, Snapshot
 
 
 @dataclass(frozen=True)

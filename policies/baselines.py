@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.decision import Decision, least_loaded, spread
-from policies.features import RequestFeatures
-from policies.latency_model import LatencyModel
-from workers.snapshot import Pool, ReplicaState, Snapshot
+from specgate.calibration.modes import Pool
+from specgate.policies.decision import Decision, least_loaded, spread
+from specgate.policies.features import RequestFeatures
+from specgate.policies.latency_model import LatencyModel
+from specgate.workers.snapshot import ReplicaState, Snapshot
 
 
 def _decide(model: LatencyModel, features: RequestFeatures, replica: ReplicaState, reason: str) -> Decision:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from policies.features import RequestFeatures
-from workers.snapshot import ReplicaState, Snapshot
+from specgate.policies.features import RequestFeatures
+from specgate.workers.snapshot import ReplicaState, Snapshot
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,10 @@ from typing import Any
 
 import orjson
 
-from policies.latency_model import LatencyModel
-from policies.registry import POLICY_NAMES, PolicyConfigError, RoutingPlan, SloTargets, build_policy
-from workers.sim.profiles import DEFAULT_PROFILE, get_profile
-from workers.snapshot import Pool
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import DEFAULT_PROFILE, get_profile
+from specgate.policies.latency_model import LatencyModel
+from specgate.policies.registry import POLICY_NAMES, PolicyConfigError, RoutingPlan, SloTargets, build_policy
 
 SCHEMA_VERSION = 1
 MAX_SLO_MS = 3_600_000.0

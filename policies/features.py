@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.snapshot import Pool
+from specgate.calibration.modes import Pool
 
 
 @dataclass(frozen=True)

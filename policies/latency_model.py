@@ -24,11 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from policies.features import RequestFeatures
-from policies.length import PRIORS, band
-from workers.sim.costs import Batch
-from workers.sim.profiles import Profile
-from workers.snapshot import Pool, ReplicaState
+from specgate.calibration.costs import Batch
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import Profile
+from specgate.policies.features import RequestFeatures
+from specgate.policies.length import PRIORS, band
+from specgate.workers.snapshot import ReplicaState
 
 MAX_PREFILL_SHARE = 0.9
 CONTEXT_QUANTUM = 32

@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from policies.adaptive import Adaptive
-from policies.baselines import Forced, LeastLoaded, PoolOnly, RoundRobin, Threshold
-from policies.decision import Decision, Policy, Shed
-from policies.features import RequestFeatures
-from policies.latency_model import LatencyModel
-from workers.snapshot import Pool, Snapshot
+from specgate.calibration.modes import Pool
+from specgate.policies.adaptive import Adaptive
+from specgate.policies.baselines import Forced, LeastLoaded, PoolOnly, RoundRobin, Threshold
+from specgate.policies.decision import Decision, Policy, Shed
+from specgate.policies.features import RequestFeatures
+from specgate.policies.latency_model import LatencyModel
+from specgate.workers.snapshot import Snapshot
 
 
 class PolicyConfigError(ValueError):

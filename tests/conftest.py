@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.services import RedisServer, free_port
-from workers import launch
+from specgate.testing import RedisServer, free_port
+from specgate.workers import launch
 
 
 def sample_value(text: str, name: str, **labels: str) -> float | None:

@@ -6,14 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.adaptive import Adaptive
-from policies.decision import Decision, Shed
-from policies.features import RequestFeatures
-from policies.latency_model import LatencyModel
-from policies.registry import POLICY_NAMES, PolicyConfigError, build_policy
-from workers.pools import FleetSettings, Replica
-from workers.sim.profiles import A100_CODELLAMA_34B
-from workers.snapshot import Pool, ReplicaState, Snapshot
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import A100_CODELLAMA_34B
+from specgate.policies.adaptive import Adaptive
+from specgate.policies.decision import Decision, Shed
+from specgate.policies.features import RequestFeatures
+from specgate.policies.latency_model import LatencyModel
+from specgate.policies.registry import POLICY_NAMES, PolicyConfigError, build_policy
+from specgate.workers.pools import FleetSettings, Replica
+from specgate.workers.snapshot import ReplicaState, Snapshot
 
 MODEL = LatencyModel(A100_CODELLAMA_34B)
 FEATURES = RequestFeatures(

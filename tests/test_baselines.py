@@ -4,12 +4,13 @@ from dataclasses import replace
 
 import pytest
 
-from policies.decision import Decision
-from policies.features import RequestFeatures
-from policies.latency_model import LatencyModel
-from policies.registry import PolicyConfigError, RoutingPlan, build_policy
-from workers.sim.profiles import A100_CODELLAMA_34B
-from workers.snapshot import Pool, ReplicaState, Snapshot
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import A100_CODELLAMA_34B
+from specgate.policies.decision import Decision
+from specgate.policies.features import RequestFeatures
+from specgate.policies.latency_model import LatencyModel
+from specgate.policies.registry import PolicyConfigError, RoutingPlan, build_policy
+from specgate.workers.snapshot import ReplicaState, Snapshot
 
 MODEL = LatencyModel(A100_CODELLAMA_34B)
 

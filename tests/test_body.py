@@ -1,7 +1,7 @@
 import pytest
 
-from gateway.body import Endpoint, parse_body
-from gateway.errors import BadBody, GatewayError, ModelNotFound
+from specgate.gateway.body import Endpoint, parse_body
+from specgate.gateway.errors import BadBody, GatewayError, ModelNotFound
 
 SERVED = ("m",)
 

@@ -1,7 +1,7 @@
 import pytest
 
-from gateway.cli import main
-from workers.sim.profiles import PROFILES, SOURCES
+from specgate.calibration.profiles import PROFILES, SOURCES
+from specgate.cli import main
 
 
 def test_list_profiles_prints_every_profile_and_its_sources(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,8 +3,8 @@ from typing import Any
 
 import pytest
 
-from gateway.config import ConfigError, load_settings, parse_settings
-from workers.snapshot import Pool
+from specgate.calibration.modes import Pool
+from specgate.gateway.config import ConfigError, load_settings, parse_settings
 
 MINIMAL: dict[str, Any] = {
     "models": {"served": ["m"]},

@@ -1,6 +1,6 @@
 import pytest
 
-from workers.sim.costs import Batch, Curve, DraftCost, Linear, LinearStepModel, StepTable, TableStepModel
+from specgate.calibration.costs import Batch, Curve, DraftCost, Linear, LinearStepModel, StepTable, TableStepModel
 
 CURVE = Curve((1, 128, 512), (10.0, 20.0, 60.0))
 

@@ -5,12 +5,13 @@ from typing import Any
 
 import pytest
 
-from policies.decision import Decision
-from policies.document import DocumentError, PolicyDocument, loads, parse
-from policies.features import RequestFeatures
-from policies.registry import SloTargets
-from workers.pools import FleetSettings, Replica
-from workers.snapshot import Pool, ReplicaState, Snapshot
+from specgate.calibration.modes import Pool
+from specgate.policies.decision import Decision
+from specgate.policies.document import DocumentError, PolicyDocument, loads, parse
+from specgate.policies.features import RequestFeatures
+from specgate.policies.registry import SloTargets
+from specgate.workers.pools import FleetSettings, Replica
+from specgate.workers.snapshot import ReplicaState, Snapshot
 
 FULL: dict[str, Any] = {
     "schema_version": 1,

@@ -6,10 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.fidelity import acceptance_after_run
-from workers.sim.engine import Engine, EngineConfig, Mode
-from workers.sim.outcomes import FinishReason, StepResult
-from workers.sim.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B, Profile
+from specgate.bench.fidelity import acceptance_after_run
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B, Profile
+from specgate.sim.engine import Engine, EngineConfig
+from specgate.sim.outcomes import FinishReason, StepResult
 
 PROFILE = A100_CODELLAMA_34B
 
@@ -31,7 +32,7 @@ def tokens_by_request(steps: list[StepResult]) -> Counter[str]:
 
 
 def test_requests_that_fit_the_budget_prefill_together_then_decode_together() -> None:
-    engine = Engine(PROFILE, Mode.PLAIN)
+    engine = Engine(PROFILE, Pool.PLAIN)
     for i in range(4):
         engine.add_request(f"r{i}", 1000, 10, arrival=0.0)
     first = engine.step()
@@ -43,7 +44,7 @@ def test_requests_that_fit_the_budget_prefill_together_then_decode_together() ->
 
 
 def test_token_budget_chunks_a_long_prompt() -> None:
-    engine = Engine(PROFILE, Mode.PLAIN, EngineConfig(max_num_batched_tokens=8192))
+    engine = Engine(PROFILE, Pool.PLAIN, EngineConfig(max_num_batched_tokens=8192))
     engine.add_request("long", 10_000, 5, arrival=0.0)
     first = engine.step()
     assert first.batch.prefill_tokens == 8192
@@ -54,7 +55,7 @@ def test_token_budget_chunks_a_long_prompt() -> None:
 
 
 def test_chunked_prefill_rides_along_decodes() -> None:
-    engine = Engine(PROFILE, Mode.PLAIN)
+    engine = Engine(PROFILE, Pool.PLAIN)
     engine.add_request("early", 100, 50, arrival=0.0)
     engine.step()
     engine.add_request("late", 3000, 5)
@@ -63,7 +64,7 @@ def test_chunked_prefill_rides_along_decodes() -> None:
 
 
 def test_max_num_seqs_caps_the_running_batch() -> None:
-    engine = Engine(PROFILE, Mode.PLAIN, EngineConfig(max_num_seqs=4))
+    engine = Engine(PROFILE, Pool.PLAIN, EngineConfig(max_num_seqs=4))
     for i in range(10):
         engine.add_request(f"r{i}", 100, 20, arrival=0.0)
     step = engine.step()
@@ -74,7 +75,7 @@ def test_max_num_seqs_caps_the_running_batch() -> None:
 def test_preemption_takes_the_newest_and_recomputes_without_losing_tokens() -> None:
     # Room for ~3 sequences of 2,000 tokens: the fourth admitted is preempted as they grow.
     config = EngineConfig(kv_capacity_tokens=16_400, block_size=16)
-    engine = Engine(PROFILE, Mode.PLAIN, config)
+    engine = Engine(PROFILE, Pool.PLAIN, config)
     for i in range(4):
         engine.add_request(f"r{i}", 3000, 1500, arrival=0.0)
     steps = drain(engine)
@@ -86,7 +87,7 @@ def test_preemption_takes_the_newest_and_recomputes_without_losing_tokens() -> N
 
 
 def test_abort_frees_kv_and_forgets_the_request() -> None:
-    engine = Engine(PROFILE, Mode.PLAIN)
+    engine = Engine(PROFILE, Pool.PLAIN)
     engine.add_request("a", 2000, 100, arrival=0.0)
     engine.add_request("b", 2000, 100, arrival=0.0)
     engine.step()
@@ -103,7 +104,7 @@ def test_abort_frees_kv_and_forgets_the_request() -> None:
 
 
 def test_abort_of_a_waiting_request() -> None:
-    engine = Engine(PROFILE, Mode.PLAIN, EngineConfig(max_num_seqs=1))
+    engine = Engine(PROFILE, Pool.PLAIN, EngineConfig(max_num_seqs=1))
     engine.add_request("running", 100, 100, arrival=0.0)
     engine.add_request("queued", 100, 100, arrival=0.0)
     engine.step()
@@ -115,7 +116,7 @@ def test_abort_of_a_waiting_request() -> None:
 
 
 def test_idle_time_passes_and_arrivals_are_timed_from_arrival() -> None:
-    engine = Engine(PROFILE, Mode.PLAIN)
+    engine = Engine(PROFILE, Pool.PLAIN)
     engine.add_request("r", 512, 2, arrival=5.0)
     assert engine.now == 5.0
     steps = drain(engine)
@@ -124,8 +125,8 @@ def test_idle_time_passes_and_arrivals_are_timed_from_arrival() -> None:
     assert finished.ttft == pytest.approx(steps[0].end - 5.0)
 
 
-@pytest.mark.parametrize("mode", list(Mode))
-def test_same_seed_same_run(mode: Mode) -> None:
+@pytest.mark.parametrize("mode", list(Pool))
+def test_same_seed_same_run(mode: Pool) -> None:
     def run(seed: int) -> list[tuple[float, tuple[tuple[str, int], ...]]]:
         engine = Engine(PROFILE, mode, seed=seed)
         for i in range(20):
@@ -133,7 +134,7 @@ def test_same_seed_same_run(mode: Mode) -> None:
         return [(s.end, tuple((o.request_id, o.new_tokens) for o in s.outputs)) for s in drain(engine)]
 
     assert run(7) == run(7)
-    if mode is Mode.SPECULATIVE:
+    if mode is Pool.SPECULATIVE:
         assert run(7) != run(8)
 
 
@@ -143,11 +144,11 @@ def test_same_seed_same_run(mode: Mode) -> None:
 )
 def test_add_request_rejects_impossible_requests(prompt: int, output: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        Engine(PROFILE, Mode.PLAIN).add_request("r", prompt, output)
+        Engine(PROFILE, Pool.PLAIN).add_request("r", prompt, output)
 
 
 def test_duplicate_request_ids_are_rejected() -> None:
-    engine = Engine(PROFILE, Mode.PLAIN)
+    engine = Engine(PROFILE, Pool.PLAIN)
     engine.add_request("r", 10, 10)
     with pytest.raises(ValueError, match="duplicate"):
         engine.add_request("r", 10, 10)
@@ -162,7 +163,7 @@ def test_duplicate_request_ids_are_rejected() -> None:
 )
 def test_engine_refuses_configurations_that_could_stall(config: EngineConfig) -> None:
     with pytest.raises(ValueError, match=r"max_model_len|draft"):
-        Engine(PROFILE, Mode.SPECULATIVE, config)
+        Engine(PROFILE, Pool.SPECULATIVE, config)
 
 
 @pytest.mark.parametrize("kwargs", [{"max_num_seqs": 0}, {"block_size": 0}, {"acceptance_mean": 1.0}])
@@ -172,7 +173,7 @@ def test_engine_config_validates(kwargs: dict[str, float]) -> None:
 
 
 def test_speculative_steps_emit_bursts_and_pay_for_drafting() -> None:
-    engine = Engine(PROFILE, Mode.SPECULATIVE)
+    engine = Engine(PROFILE, Pool.SPECULATIVE)
     engine.add_request("r", 512, 300, arrival=0.0)
     prefill = engine.step()
     assert prefill.draft_ms > 0  # draft prefill and the first k draft passes delay the first token
@@ -184,7 +185,7 @@ def test_speculative_steps_emit_bursts_and_pay_for_drafting() -> None:
 
 
 def test_plain_steps_never_draft() -> None:
-    engine = Engine(PROFILE, Mode.PLAIN)
+    engine = Engine(PROFILE, Pool.PLAIN)
     engine.add_request("r", 512, 50, arrival=0.0)
     steps = drain(engine)
     assert all(s.draft_ms == 0 and s.spec.drafts == 0 for s in steps)
@@ -205,7 +206,7 @@ def test_spec_counters_recover_the_acceptance_rate(profile: Profile, alpha: floa
 
 @settings(max_examples=60, deadline=None)
 @given(
-    mode=st.sampled_from(list(Mode)),
+    mode=st.sampled_from(list(Pool)),
     requests=st.lists(
         st.tuples(
             st.floats(0.0, 5.0),  # arrival
@@ -219,7 +220,7 @@ def test_spec_counters_recover_the_acceptance_rate(profile: Profile, alpha: floa
     seed=st.integers(0, 2**16),
 )
 def test_engine_invariants_under_random_load(
-    mode: Mode, requests: list[tuple[float, int, int, bool]], seed: int
+    mode: Pool, requests: list[tuple[float, int, int, bool]], seed: int
 ) -> None:
     config = EngineConfig(kv_capacity_tokens=17_000, max_num_seqs=16, max_num_batched_tokens=2048)
     engine = Engine(PROFILE, mode, config, seed=seed)

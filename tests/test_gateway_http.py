@@ -18,12 +18,12 @@ from aiohttp import web
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import make_app
-from gateway.config import GatewaySettings, Timeouts, initial_document
+from specgate.calibration.modes import Pool
+from specgate.gateway.app import make_app
+from specgate.gateway.config import GatewaySettings, Timeouts, initial_document
+from specgate.workers import launch
+from specgate.workers.pools import FleetSettings
 from tests.conftest import SimProcess, running_app
-from workers import launch
-from workers.pools import FleetSettings
-from workers.snapshot import Pool
 
 pytestmark = pytest.mark.slow
 

@@ -4,13 +4,13 @@ from dataclasses import replace
 
 import pytest
 
-from bench.fidelity import run_alone
-from policies.features import RequestFeatures
-from policies.latency_model import LatencyModel
-from workers.pools import FleetSettings, Replica
-from workers.sim.engine import Mode
-from workers.sim.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B, Profile
-from workers.snapshot import Pool, ReplicaState
+from specgate.bench.fidelity import run_alone
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B, Profile
+from specgate.policies.features import RequestFeatures
+from specgate.policies.latency_model import LatencyModel
+from specgate.workers.pools import FleetSettings, Replica
+from specgate.workers.snapshot import ReplicaState
 
 FEATURES = RequestFeatures(
     model="m", stream=True, prompt_tokens=512, max_tokens=None, expected_output_tokens=256, slo_ttft_ms=None,
@@ -24,10 +24,10 @@ def idle(pool: Pool, **changes: object) -> ReplicaState:
 
 
 @pytest.mark.parametrize("profile", [A100_CODELLAMA_34B, H100_LLAMA31_8B], ids=lambda p: p.name)
-@pytest.mark.parametrize("mode", list(Mode))
-def test_idle_predictions_match_the_engine(profile: Profile, mode: Mode) -> None:
+@pytest.mark.parametrize("mode", list(Pool))
+def test_idle_predictions_match_the_engine(profile: Profile, mode: Pool) -> None:
     engine = run_alone(profile, mode, 512, 256, spread=False)
-    pool = Pool.SPECULATIVE if mode is Mode.SPECULATIVE else Pool.PLAIN
+    pool = Pool.SPECULATIVE if mode is Pool.SPECULATIVE else Pool.PLAIN
     p = LatencyModel(profile).predict(idle(pool), FEATURES)
     assert engine.ttft is not None
     assert engine.tpot is not None

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.length import PRIORS, LengthStats, band
+from specgate.policies.length import PRIORS, LengthStats, band
 
 
 @pytest.mark.parametrize(

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.offline import Fleetspec, Scenario, attainable, simulate
-from bench.sweep import parse_policy
-from bench.traces import TraceError, TraceRequest, read_trace, scaled
-from gateway.cli import main
-from workers.sim.profiles import A100_CODELLAMA_34B
+from specgate.bench.offline import Fleetspec, Scenario, attainable, simulate
+from specgate.bench.sweep import parse_policy
+from specgate.bench.traces import TraceError, TraceRequest, read_trace, scaled
+from specgate.calibration.profiles import A100_CODELLAMA_34B
+from specgate.cli import main
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 

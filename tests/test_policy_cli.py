@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.services import RedisServer
-from gateway.cli import main
+from specgate.cli import main
+from specgate.testing import RedisServer
 
 
 def write(tmp_path: Path, name: str, doc: object) -> str:

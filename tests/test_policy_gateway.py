@@ -14,14 +14,14 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from bench.services import RedisServer
-from gateway.app import make_app
-from gateway.config import GatewaySettings, StoreSettings
-from policies.document import PolicyDocument, parse
-from policies.store import PolicyStore
+from specgate.calibration.modes import Pool
+from specgate.gateway.app import make_app
+from specgate.gateway.config import GatewaySettings, StoreSettings
+from specgate.gateway.store import PolicyStore
+from specgate.policies.document import PolicyDocument, parse
+from specgate.testing import RedisServer
+from specgate.workers.pools import FleetSettings
 from tests.conftest import SimProcess, running_app, sample_value
-from workers.pools import FleetSettings
-from workers.snapshot import Pool
 
 pytestmark = pytest.mark.slow
 

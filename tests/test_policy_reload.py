@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.policy_reload import run
+from specgate.bench.policy_reload import run
 
 pytestmark = pytest.mark.slow
 

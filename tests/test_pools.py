@@ -2,10 +2,10 @@
 
 import pytest
 
-from workers.acceptance import SpecCounters
-from workers.pools import Fleet, FleetSettings, Replica
-from workers.scrape import VllmLoad
-from workers.snapshot import Pool
+from specgate.calibration.modes import Pool
+from specgate.workers.acceptance import SpecCounters
+from specgate.workers.pools import Fleet, FleetSettings, Replica
+from specgate.workers.scrape import VllmLoad
 
 SETTINGS = FleetSettings(stale_after_s=2.0, eject_after=3)
 

@@ -5,18 +5,25 @@ import statistics
 
 import pytest
 
-from bench.fidelity import decode_step, load_point, run_alone
-from workers.sim.costs import TableStepModel
-from workers.sim.engine import Mode
-from workers.sim.profiles import A100_CODELLAMA_34B, DEFAULT_PROFILE, PROFILES, WHITEPAPER, Profile, get_profile
+from specgate.bench.fidelity import decode_step, load_point, run_alone
+from specgate.calibration.costs import TableStepModel
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import (
+    A100_CODELLAMA_34B,
+    DEFAULT_PROFILE,
+    PROFILES,
+    WHITEPAPER,
+    Profile,
+    get_profile,
+)
 
 
 # The whitepaper's batch-1 figures: 512 prompt tokens, 256 output tokens.
 @pytest.mark.parametrize(
     ("mode", "ttft_ms", "tpot_ms"),
-    [(Mode.PLAIN, 420.0, 38.0), (Mode.SPECULATIVE, 480.0, 18.0)],
+    [(Pool.PLAIN, 420.0, 38.0), (Pool.SPECULATIVE, 480.0, 18.0)],
 )
-def test_whitepaper_profile_reproduces_its_batch1_figures(mode: Mode, ttft_ms: float, tpot_ms: float) -> None:
+def test_whitepaper_profile_reproduces_its_batch1_figures(mode: Pool, ttft_ms: float, tpot_ms: float) -> None:
     at_mean = run_alone(WHITEPAPER, mode, 512, 256, spread=False)
     assert at_mean.ttft is not None
     assert at_mean.tpot is not None
@@ -68,8 +75,8 @@ def test_preemptions_appear_when_kv_runs_out() -> None:
 def test_every_profile_is_coherent(profile: Profile) -> None:
     assert profile.spec.kv_capacity_tokens < profile.kv_capacity_tokens  # the draft takes memory
     assert profile.sources
-    alone = {mode: run_alone(profile, mode, 512, 256, spread=False) for mode in Mode}
-    plain, spec = alone[Mode.PLAIN], alone[Mode.SPECULATIVE]
+    alone = {mode: run_alone(profile, mode, 512, 256, spread=False) for mode in Pool}
+    plain, spec = alone[Pool.PLAIN], alone[Pool.SPECULATIVE]
     assert plain.ttft is not None
     assert spec.ttft is not None
     assert plain.tpot is not None

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +19,15 @@ import openai
 import pytest
 from aiohttp import web
 
-from bench.services import VLLM_MODEL, cpu_pools, free_port, setup_vllm
-from gateway.app import make_app
-from gateway.config import GatewaySettings, initial_document
-from gateway.state import FLEET
+from specgate.calibration.modes import Pool
+from specgate.gateway.app import make_app
+from specgate.gateway.config import GatewaySettings, initial_document
+from specgate.gateway.state import FLEET
+from specgate.testing import VLLM_MODEL, cpu_pools, free_port, setup_vllm
+from specgate.workers import launch
+from specgate.workers.pools import FleetSettings
+from specgate.workers.vllm_launch import Running, alive, start, stop, wait_healthy
 from tests.conftest import running_app, sample_value
-from workers.pools import FleetSettings
-from workers.snapshot import Pool
-from workers.vllm_launch import Running, alive, start, stop, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -47,7 +47,7 @@ def test_pools_up_detached_and_down(tmp_path: Path) -> None:
         'env = { VLLM_CPU_KVCACHE_SPACE = "1" }\nlog_dir = "logs"\n'
         f"[[launch.plain]]\nport = {port}\n"
     )
-    cli = [sys.executable, "-m", "gateway.cli", "pools"]
+    cli = launch.specgate_argv("pools")
     up = subprocess.run([*cli, "up", "--config", str(config), "--detach"], capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stderr
     assert f'urls = ["http://127.0.0.1:{port}"]' in up.stdout  # the gateway config that routes to it

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.offline import Fleetspec, Scenario, simulate
-from bench.replay import ReplaySettings, replay
-from bench.traces import TraceRequest, read_trace
+from specgate.bench.offline import Fleetspec, Scenario, simulate
+from specgate.bench.replay import ReplaySettings, replay
+from specgate.bench.traces import TraceRequest, read_trace
+from specgate.calibration.profiles import A100_CODELLAMA_34B
+from specgate.workers import launch
 from tests.conftest import SimProcess
-from workers import launch
-from workers.sim.profiles import A100_CODELLAMA_34B
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 import pytest
 
-from workers.scrape import MetricsFormatError, parse_vllm_metrics
+from specgate.workers.scrape import MetricsFormatError, parse_vllm_metrics
 
 V1 = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

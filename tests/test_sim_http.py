@@ -13,8 +13,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from specgate.workers.acceptance import SpecCounters, acceptance
 from tests.conftest import SimProcess
-from workers.acceptance import SpecCounters, acceptance
 
 pytestmark = pytest.mark.slow
 

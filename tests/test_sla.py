@@ -1,9 +1,9 @@
 import pytest
 
-from gateway.errors import BadHeader
-from gateway.sla import parse_routing_headers
-from policies.registry import SloTargets
-from workers.snapshot import Pool
+from specgate.calibration.modes import Pool
+from specgate.gateway.errors import BadHeader
+from specgate.gateway.sla import parse_routing_headers
+from specgate.policies.registry import SloTargets
 
 CLASSES = {"batch": SloTargets(ttft_ms=30000.0, tpot_ms=None)}
 

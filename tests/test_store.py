@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from bench.services import RedisServer
-from policies.document import PolicyDocument, parse
-from policies.store import PolicyStore, VersionConflict
+from specgate.gateway.store import PolicyStore, VersionConflict
+from specgate.policies.document import PolicyDocument, parse
+from specgate.testing import RedisServer
 
 
 def doc(policy: str = "least-loaded", **changes: object) -> PolicyDocument:

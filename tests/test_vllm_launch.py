@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from gateway.cli import main
-from gateway.config import ConfigError, load_settings, parse_settings
-from workers.snapshot import Pool
-from workers.vllm_launch import LaunchConfigError, parse_launch
+from specgate.calibration.modes import Pool
+from specgate.cli import main
+from specgate.gateway.config import ConfigError, load_settings, parse_settings
+from specgate.workers.vllm_launch import LaunchConfigError, parse_launch
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 LAUNCH: dict[str, Any] = {

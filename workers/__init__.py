@@ -1,1 +1,2 @@
-"""The replicas: pools, scraping, launching real vLLM servers, and the simulated vLLM replica."""
+"""The gateway's view of its replicas: live state and health, scraping, acceptance, and launching
+replica processes (simulated or real vLLM)."""

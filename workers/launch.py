@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 
 _READY = re.compile(r"listening on (http://\S+)")
 _PR_SET_PDEATHSIG = 1
@@ -44,9 +45,24 @@ def spawn(
         )
 
 
+SPECGATE_MODULE = "specgate"
+"""The one module path every specgate child process is started from: the command line."""
+
+
+def specgate_argv(*args: str) -> list[str]:
+    """The command line of a `specgate ...` child, run by this interpreter."""
+    return [sys.executable, "-m", SPECGATE_MODULE, *args]
+
+
+def module_argv(module: ModuleType, *args: str) -> list[str]:
+    """The command line of a child that runs `module` (an imported module, so that the edge shows
+    in the import graph), run by this interpreter."""
+    return [sys.executable, "-m", module.__name__, *args]
+
+
 def sim_argv(*args: str) -> list[str]:
     """The command line of a simulated replica on a free port."""
-    return [sys.executable, "-m", "gateway.cli", "sim", "--port", "0", *args]
+    return specgate_argv("sim", "--port", "0", *args)
 
 
 def ready_url(log: Path) -> str | None:

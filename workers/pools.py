@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from workers.acceptance import SpecCounters, acceptance
-from workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
-from workers.snapshot import Pool, ReplicaState, Snapshot
+from specgate.calibration.modes import Pool
+from specgate.workers.acceptance import SpecCounters, acceptance
+from specgate.workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
+from specgate.workers.snapshot import ReplicaState, Snapshot
 
 _log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.acceptance import SpecCounters
+from specgate.workers.acceptance import SpecCounters
 
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"

@@ -4,16 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from enum import StrEnum
 
-
-class Pool(StrEnum):
-    SPECULATIVE = "speculative"
-    PLAIN = "plain"
-
-    @property
-    def other(self) -> Pool:
-        return Pool.PLAIN if self is Pool.SPECULATIVE else Pool.SPECULATIVE
+from specgate.calibration.modes import Pool
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ from typing import Any
 
 import aiohttp
 
-from workers import launch
-from workers.snapshot import Pool
+from specgate.calibration.modes import Pool
+from specgate.workers import launch
 
 SPEC_METHODS = ("draft_model", "ngram", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
 NEEDS_MODEL = frozenset({"draft_model", "eagle", "eagle3", "medusa", "mlp_speculator"})

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import orjson
 
-from gateway.policy_sync import STORE_ERRORS
-from policies.document import DocumentError, PolicyDocument, loads
-from policies.store import PolicyStore, VersionConflict
+from specgate.gateway.policy_sync import STORE_ERRORS
+from specgate.gateway.store import PolicyStore, VersionConflict
+from specgate.policies.document import DocumentError, PolicyDocument, loads
 
 
 def add_policy_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

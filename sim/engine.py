@@ -22,10 +22,11 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
-from enum import StrEnum
 
-from workers.sim.costs import Batch
-from workers.sim.outcomes import (
+from specgate.calibration.costs import Batch
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import Profile
+from specgate.sim.outcomes import (
     EngineCounters,
     FinishedRequest,
     FinishReason,
@@ -33,12 +34,6 @@ from workers.sim.outcomes import (
     StepResult,
     TokenOutput,
 )
-from workers.sim.profiles import Profile
-
-
-class Mode(StrEnum):
-    PLAIN = "plain"
-    SPECULATIVE = "speculative"
 
 
 @dataclass(frozen=True)
@@ -91,21 +86,21 @@ class _Seq:
         return self.output_tokens > 0 and self.num_computed == self.num_tokens - 1
 
 
-def speculative_tokens(profile: Profile, mode: Mode, config: EngineConfig) -> int:
+def speculative_tokens(profile: Profile, mode: Pool, config: EngineConfig) -> int:
     """k, the draft tokens verified per sequence per step (0 in plain mode)."""
-    if mode is Mode.PLAIN:
+    if mode is Pool.PLAIN:
         return 0
     return config.num_speculative_tokens or profile.spec.num_speculative_tokens
 
 
-def kv_blocks(profile: Profile, mode: Mode, config: EngineConfig) -> int:
+def kv_blocks(profile: Profile, mode: Pool, config: EngineConfig) -> int:
     """The replica's KV blocks; raises ValueError for settings under which the engine could stall.
 
     As vLLM refuses to start when one max-length sequence cannot fit in its KV cache, so does
     the model: a lone request can then always run, and the engine never stalls.
     """
     k = speculative_tokens(profile, mode, config)
-    default = profile.spec.kv_capacity_tokens if mode is Mode.SPECULATIVE else profile.kv_capacity_tokens
+    default = profile.spec.kv_capacity_tokens if mode is Pool.SPECULATIVE else profile.kv_capacity_tokens
     capacity = config.kv_capacity_tokens or default
     blocks = capacity // config.block_size
     if blocks * config.block_size < profile.max_model_len + 2 * k + 1:
@@ -118,7 +113,7 @@ def kv_blocks(profile: Profile, mode: Mode, config: EngineConfig) -> int:
 
 
 class Engine:
-    def __init__(self, profile: Profile, mode: Mode, config: EngineConfig | None = None, seed: int = 0) -> None:
+    def __init__(self, profile: Profile, mode: Pool, config: EngineConfig | None = None, seed: int = 0) -> None:
         self.profile = profile
         self.mode = mode
         self.config = config = config or EngineConfig()
@@ -141,7 +136,7 @@ class Engine:
 
     @property
     def speculative(self) -> bool:
-        return self.mode is Mode.SPECULATIVE
+        return self.mode is Pool.SPECULATIVE
 
     @property
     def num_running(self) -> int:

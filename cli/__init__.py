@@ -13,10 +13,11 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.policy_cli import add_policy_command
-from gateway.pools_cli import add_pools_command
-from workers.sim.engine import EngineConfig, Mode, kv_blocks
-from workers.sim.profiles import DEFAULT_PROFILE, PROFILES, SOURCES, get_profile
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES, SOURCES, get_profile
+from specgate.cli.policy import add_policy_command
+from specgate.cli.pools import add_pools_command
+from specgate.sim.engine import EngineConfig, kv_blocks
 
 
 def _positive_float(text: str) -> float:
@@ -46,7 +47,7 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="run one simulated vLLM replica",
         description="A calibrated model of a vLLM server, speaking vLLM's HTTP API and metrics.",
     )
-    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.PLAIN.value)
+    p.add_argument("--mode", choices=[m.value for m in Pool], default=Pool.PLAIN.value)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
     p.add_argument("--model", help="served model name (default: the profile's model)")
@@ -70,8 +71,8 @@ def _run_sim(args: argparse.Namespace) -> int:
         return 0
     import prometheus_client
 
-    from workers.sim.replica import SimSettings
-    from workers.sim.server import serve
+    from specgate.sim.replica import SimSettings
+    from specgate.sim.server import serve
 
     # vLLM turns off the `_created` series for its whole process; the replica matches it.
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -79,7 +80,7 @@ def _run_sim(args: argparse.Namespace) -> int:
     try:
         profile = get_profile(args.profile)
         settings = SimSettings(
-            mode=Mode(args.mode),
+            mode=Pool(args.mode),
             profile=profile,
             model=args.model or profile.model,
             host=args.host,
@@ -154,10 +155,17 @@ ADMIN_TOKEN_ENV = "SPECGATE_ADMIN_TOKEN"
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from gateway.app import serve
-    from gateway.config import ConfigError, GatewaySettings, admin_token, initial_document, load_settings, store_url
-    from gateway.embedded import embedded_pools
-    from policies.registry import POLICY_NAMES
+    from specgate.gateway.app import serve
+    from specgate.gateway.config import (
+        ConfigError,
+        GatewaySettings,
+        admin_token,
+        initial_document,
+        load_settings,
+        store_url,
+    )
+    from specgate.gateway.embedded import embedded_pools
+    from specgate.policies.registry import POLICY_NAMES
 
     def adjust(settings: GatewaySettings) -> GatewaySettings:
         changes: dict[str, Any] = {}
@@ -264,10 +272,10 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _run_bench_offline(args: argparse.Namespace) -> int:
-    from bench.sweep import SweepSettings, parse_policy, run_sweep, write_outputs
-    from bench.traces import TraceError
-    from policies.latency_model import LatencyModel
-    from policies.registry import build_policy
+    from specgate.bench.sweep import SweepSettings, parse_policy, run_sweep, write_outputs
+    from specgate.bench.traces import TraceError
+    from specgate.policies.latency_model import LatencyModel
+    from specgate.policies.registry import build_policy
 
     policies = tuple(p for p in args.policies.split(",") if p)
     if not policies:
@@ -334,8 +342,8 @@ def _run_bench_replay(args: argparse.Namespace) -> int:
 
     import aiohttp
 
-    from bench.replay import ReplaySettings, replay
-    from bench.traces import TraceError, read_trace, scaled
+    from specgate.bench.replay import ReplaySettings, replay
+    from specgate.bench.traces import TraceError, read_trace, scaled
 
     async def run() -> dict[str, object]:
         """The run's summary, in the shape of the offline simulator's runs."""

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers import launch
-from workers.vllm_launch import LaunchPlan, parse_launch
+from specgate.workers import launch
+from specgate.workers.vllm_launch import LaunchPlan, parse_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_MODEL = "smollm2-135m"

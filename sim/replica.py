@@ -14,17 +14,18 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from workers.sim.engine import Engine, EngineConfig, Mode
-from workers.sim.metrics import VllmMetrics
-from workers.sim.outcomes import FinishReason, TokenOutput
-from workers.sim.profiles import Profile
-from workers.sim.protocol import GenerationRequest
-from workers.sim.text import Words, draw_output_length
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import Profile
+from specgate.sim.engine import Engine, EngineConfig
+from specgate.sim.metrics import VllmMetrics
+from specgate.sim.outcomes import FinishReason, TokenOutput
+from specgate.sim.requests import GenerationRequest
+from specgate.sim.text import Words, draw_output_length
 
 
 @dataclass(frozen=True)
 class SimSettings:
-    mode: Mode
+    mode: Pool
     profile: Profile
     model: str
     host: str = "127.0.0.1"

@@ -19,12 +19,12 @@ from http import HTTPStatus
 import orjson
 from aiohttp import web
 
-from workers.http import serve_until_cancelled
-from workers.sim import responses
-from workers.sim.metrics import CONTENT_TYPE
-from workers.sim.protocol import Endpoint, GenerationRequest, SimRequestError, parse_request
-from workers.sim.replica import Replica, SimSettings, Submission
-from workers.sim.responses import ResponseIds
+from specgate.protocol.serving import serve_until_cancelled
+from specgate.sim import responses
+from specgate.sim.metrics import CONTENT_TYPE
+from specgate.sim.replica import Replica, SimSettings, Submission
+from specgate.sim.requests import Endpoint, GenerationRequest, SimRequestError, parse_request
+from specgate.sim.responses import ResponseIds
 
 _log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from workers.sim.engine import Engine
-from workers.sim.outcomes import FinishedRequest, FinishReason, StepResult
+from specgate.sim.engine import Engine
+from specgate.sim.outcomes import FinishedRequest, FinishReason, StepResult
 
 _TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from workers.sim.costs import Curve, DraftCost, Linear, LinearStepModel, StepModel, StepTable, TableStepModel
+from specgate.calibration.costs import Curve, DraftCost, Linear, LinearStepModel, StepModel, StepTable, TableStepModel
 
 SOURCES: Mapping[str, str] = MappingProxyType(
     {

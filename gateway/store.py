@@ -25,7 +25,7 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from policies.document import PolicyDocument, loads
+from specgate.policies.document import PolicyDocument, loads
 
 HISTORY_LIMIT = 100
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from workers.sim.costs import Batch
+from specgate.calibration.costs import Batch
 
 
 class FinishReason(StrEnum):

@@ -12,7 +12,7 @@ from enum import StrEnum
 from http import HTTPStatus
 from typing import Any
 
-from workers.tokens import chat_prompt_tokens, completion_prompt_tokens
+from specgate.protocol.tokens import chat_prompt_tokens, completion_prompt_tokens
 
 SCRIPTED_OUTPUT_FIELD = "specgate_sim_output_tokens"
 

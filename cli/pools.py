@@ -20,9 +20,17 @@ from typing import Any
 
 import aiohttp
 
-from gateway.config import ConfigError, read_toml
-from workers import launch
-from workers.vllm_launch import LaunchConfigError, LaunchPlan, parse_launch, start, stop, stop_recorded, wait_healthy
+from specgate.gateway.config import ConfigError, read_toml
+from specgate.workers import launch
+from specgate.workers.vllm_launch import (
+    LaunchConfigError,
+    LaunchPlan,
+    parse_launch,
+    start,
+    stop,
+    stop_recorded,
+    wait_healthy,
+)
 
 
 def add_pools_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from workers.sim.protocol import Endpoint
+from specgate.sim.requests import Endpoint
 
 DONE = b"data: [DONE]\n\n"
 

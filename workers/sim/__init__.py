@@ -1,1 +1,0 @@
-"""A calibrated simulated vLLM replica: engine model, profiles, metrics and HTTP face."""
