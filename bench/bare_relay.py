@@ -5,7 +5,7 @@ session, and nothing else: no routing, headers, metrics or error handling. PEERS
 relay beside the production routers; measuring it in the same run as the gateway shows how much
 of the gateway's cost is the language and framework, and how much is the gateway's own work.
 
-    python -m bench.bare_relay --upstream URL --port 0
+    python -m specgate.bench.bare_relay --upstream URL --port 0
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What the gateway adds: the same load sent direct to an upstream and through the gateway, in one run.
 
-    python -m bench.overhead [--seconds 5] [--out docs]
+    specgate bench overhead [--seconds 5] [--out docs]
 
-The upstream is `bench.upstream` (answers at once), so the difference is the gateway's: routing
+The upstream is `specgate.bench.upstream` (answers at once), so the difference is the gateway's: routing
 decision, header and body handling, relay. On a machine with two or more cores the gateway is
 pinned to the last core and the upstream and this load generator to the first, as the peers'
 figures in PEERS.md were measured. The load generator is Python, so absolute request rates are
@@ -20,6 +20,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -233,8 +234,8 @@ def report(results: dict[str, PathFigures], seconds: float, command: str) -> str
         "",
         f"Measured by `{command}` on {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}; {seconds:g} s per measurement, all paths in one run. The upstream "
-        "(`bench.upstream`) answers at once. The load generator (Python) shares the first core with the "
-        "upstream; the relays run on the last core. `bare relay` (`bench.bare_relay`) is the simplest "
+        "(`specgate.bench.upstream`) answers at once. The load generator (Python) shares the first core with the "
+        "upstream; the relays run on the last core. `bare relay` (`specgate.bench.bare_relay`) is the simplest "
         "aiohttp relay, the yardstick for what Python and aiohttp cost before any routing work. The "
         "machine is shared and noisy: read ratios and medians.",
         "",
@@ -268,12 +269,12 @@ def report(results: dict[str, PathFigures], seconds: float, command: str) -> str
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="gateway overhead: direct vs. through the gateway")
+def main(argv: Sequence[str] | None = None, prog: str = "specgate bench overhead") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="gateway overhead: direct vs. through the gateway")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--out", type=Path, default=Path("docs"))
-    args = parser.parse_args()
-    command = "python -m bench.overhead" + (f" --seconds {args.seconds:g}" if args.seconds != 5.0 else "")
+    args = parser.parse_args(argv)
+    command = prog + (f" --seconds {args.seconds:g}" if args.seconds != 5.0 else "")
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="specgate-bench-") as workdir:
@@ -283,7 +284,8 @@ def main() -> None:
     (args.out / "overhead.md").write_text(text)
     (args.out / "overhead.json").write_text(json.dumps({k: asdict(v) for k, v in results.items()}, indent=2))
     print(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

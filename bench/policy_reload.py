@@ -1,6 +1,6 @@
 """Live policy changes under load: how fast every gateway follows Redis, and what fails meanwhile.
 
-    python -m bench.policy_reload [--changes 100] [--clients 8] [--refresh-ms 1000] [--out docs]
+    specgate bench policy-reload [--changes 100] [--clients 8] [--refresh-ms 1000] [--out docs]
 
 Starts a redis-server, one speculative and one plain simulated replica (`--time-scale 20`) and two
 gateway processes (`specgate serve --redis URL`), and keeps a steady load of short chat requests
@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -239,8 +240,10 @@ Requests meanwhile: {f.requests_during_outage}, failed: **{f.failed_during_outag
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] | None = None, prog: str = "specgate bench policy-reload") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--changes", type=int, default=100)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--refresh-ms", type=float, default=1000.0)
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="specgate-reload-") as tmp:
         figures = asyncio.run(run(args.changes, args.clients, args.refresh_ms, Path(tmp)))
-    command = "python -m bench.policy_reload " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "policy_reload.json").write_text(json.dumps(asdict(figures), indent=2) + "\n")
     (args.out / "policy_reload.md").write_text(report(figures, command.strip()))

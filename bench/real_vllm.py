@@ -1,6 +1,6 @@
 """Routing real vLLM servers on this CPU: every policy over the same requests, side by side, in one run.
 
-    python -m bench.real_vllm [--requests 12] [--concurrency 1,2,4] [--slo-ttft-ms 2000] [--slo-tpot-ms 80]
+    specgate bench real-vllm [--requests 12] [--concurrency 1,2,4] [--slo-ttft-ms 2000] [--slo-tpot-ms 80]
                               [--policies adaptive,least-loaded,round-robin,speculative-only,plain-only] [--out docs]
 
 One n-gram speculative and one plain vLLM server of SmolLM2-135M-Instruct (scripts/setup-vllm), each
@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -208,8 +209,10 @@ def report(results: dict[str, object], command: str) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] | None = None, prog: str = "specgate bench real-vllm") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--concurrency", type=lambda t: [int(v) for v in t.split(",")], default=[1, 2, 4])
     parser.add_argument("--policies", type=lambda t: t.split(","), default=list(POLICIES))
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     python, model = setup_vllm()
     with tempfile.TemporaryDirectory(prefix="specgate-real-") as tmp:
         results = asyncio.run(run(args, cpu_pools(python, model, Path(tmp)), Path(tmp)))
-    command = "python -m bench.real_vllm " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "real_vllm.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "real_vllm.md").write_text(report(results, command.strip()))

@@ -5,7 +5,7 @@ through the gateway is the gateway's. Non-streaming requests get a small fixed c
 streaming ones get `chunks` SSE chunks (64 by default) spaced `x-chunk-delay-ms` apart. It also
 answers `/metrics` with vLLM's load gauges so a gateway admits it.
 
-    python -m bench.upstream --port 0
+    python -m specgate.bench.upstream --port 0
 """
 
 from __future__ import annotations

@@ -26,18 +26,19 @@ from pathlib import Path
 
 import orjson
 
+from specgate.cli.arguments import Subcommands, common_options
 from specgate.gateway.policy_sync import STORE_ERRORS
 from specgate.gateway.store import PolicyStore, VersionConflict
 from specgate.policies.document import DocumentError, PolicyDocument, loads
 
 
-def add_policy_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_command(sub: Subcommands) -> None:
     policy = sub.add_parser("policy", help="the policy document in Redis", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     commands = policy.add_subparsers(dest="policy_command", required=True)
 
     def command(name: str, help_text: str, *, store: bool = True) -> argparse.ArgumentParser:
-        p = commands.add_parser(name, help=help_text)
+        p = commands.add_parser(name, parents=[common_options()], help=help_text)
         if store:
             p.add_argument("--redis", metavar="URL", required=True, help="redis://host:port/db")
             p.add_argument("--prefix", default="specgate", help="key prefix (default: specgate)")

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from specgate.cli.arguments import Subcommands, common_options
 from specgate.gateway.config import ConfigError, read_toml
 from specgate.workers import launch
 from specgate.workers.vllm_launch import (
@@ -33,15 +34,19 @@ from specgate.workers.vllm_launch import (
 )
 
 
-def add_pools_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_command(sub: Subcommands) -> None:
     pools = sub.add_parser("pools", help="real vLLM servers for both pools", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     commands = pools.add_subparsers(dest="pools_command", required=True)
-    up = commands.add_parser("up", help="start the servers, wait until healthy, print the gateway config")
+    up = commands.add_parser(
+        "up", parents=[common_options()], help="start the servers, wait until healthy, print the gateway config"
+    )
     up.add_argument("--config", type=Path, required=True)
     up.add_argument("--detach", action="store_true", help="leave them running; stop them with `pools down`")
     up.set_defaults(func=_up)
-    down = commands.add_parser("down", help="stop the servers a detached `pools up` started")
+    down = commands.add_parser(
+        "down", parents=[common_options()], help="stop the servers a detached `pools up` started"
+    )
     down.add_argument("--config", type=Path, required=True)
     down.set_defaults(func=_down)
 

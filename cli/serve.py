@@ -1,0 +1,117 @@
+"""`specgate serve`: the gateway, in front of configured pools or the embedded simulated ones."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from specgate.calibration.profiles import DEFAULT_PROFILE, get_profile
+from specgate.cli.arguments import Subcommands, common_options, positive_float
+from specgate.cli.running import run_until_signalled
+
+ADMIN_TOKEN_ENV = "SPECGATE_ADMIN_TOKEN"
+"""The admin API's bearer token, from the environment (a command-line flag would show in ps)."""
+
+
+def add_command(sub: Subcommands) -> None:
+    p = sub.add_parser(
+        "serve",
+        parents=[common_options()],
+        help="run the gateway",
+        description="Route OpenAI requests across the speculative and plain pools. Without --config, "
+        "start the embedded default: two simulated replicas per pool.",
+    )
+    p.add_argument("--config", type=Path, help="gateway settings (TOML)")
+    p.add_argument("--host", help="listen address (default: the config's, or 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default: the config's, or 8000; 0 picks one)")
+    p.add_argument("--policy", help="routing policy, overriding the config's")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help="embedded default: the replicas' profile")
+    p.add_argument("--time-scale", type=positive_float, default=1.0, help="embedded default: replica clock speed")
+    p.add_argument("--redis", metavar="URL", help="follow the policy document in this Redis (redis://...)")
+    p.add_argument("--redis-prefix", help="key prefix in Redis (default: the config's, or specgate)")
+    p.add_argument("--policy-cache", type=Path, help="file keeping the last good document from Redis")
+    p.add_argument("--access-log", action="store_true", help="log one line per request (logger specgate.access)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specgate.gateway.app import serve
+    from specgate.gateway.config import (
+        ConfigError,
+        GatewaySettings,
+        admin_token,
+        initial_document,
+        load_settings,
+        store_url,
+    )
+    from specgate.gateway.embedded import embedded_pools
+    from specgate.policies.registry import POLICY_NAMES
+
+    def adjust(settings: GatewaySettings) -> GatewaySettings:
+        changes: dict[str, Any] = {}
+        if args.host is not None:
+            changes["host"] = args.host
+        if args.port is not None:
+            changes["port"] = args.port
+        if args.access_log:
+            changes["access_log"] = True
+        if args.policy is not None:
+            doc = settings.policy
+            changes["policy"] = initial_document(
+                args.policy, {}, profile=doc.profile, allow_pool_override=doc.allow_pool_override, slo=doc.slo
+            )
+        store = settings.store
+        if args.redis is not None:
+            store = dataclasses.replace(store, url=store_url("--redis", args.redis))
+        if args.redis_prefix is not None:
+            store = dataclasses.replace(store, prefix=args.redis_prefix)
+        if args.policy_cache is not None:
+            store = dataclasses.replace(store, cache=args.policy_cache)
+        changes["store"] = store
+        token = os.environ.get(ADMIN_TOKEN_ENV)
+        if token:
+            changes["admin_token"] = admin_token(ADMIN_TOKEN_ENV, token)
+        return dataclasses.replace(settings, **changes)
+
+    def ready(settings: GatewaySettings, url: str) -> None:
+        source = f", following {settings.store.url}" if settings.store.url else ""
+        print(f"specgate: gateway listening on {url} with policy {settings.policy.policy}{source}", flush=True)
+        for pool, urls in settings.pools.items():
+            print(f"  {pool.value}: {', '.join(urls) or '-'}", flush=True)
+        print(
+            f"try: curl {url}/v1/chat/completions -H 'content-type: application/json' -H 'x-slo-ttft-ms: 500' "
+            f"""-d '{{"model": "{settings.models[0]}", "messages": [{{"role": "user", "content": "Hello!"}}], """
+            """"max_tokens": 32}' -i""",
+            flush=True,
+        )
+
+    try:
+        get_profile(args.profile)
+        if args.policy is not None and args.policy not in POLICY_NAMES:
+            raise ConfigError(f"unknown policy {args.policy!r}; known: {', '.join(POLICY_NAMES)}")
+        if args.redis is not None:
+            store_url("--redis", args.redis)
+        if os.environ.get(ADMIN_TOKEN_ENV):
+            admin_token(ADMIN_TOKEN_ENV, os.environ[ADMIN_TOKEN_ENV])
+        configured = adjust(load_settings(args.config)) if args.config is not None else None
+    except (ConfigError, KeyError, ValueError) as exc:
+        print(f"specgate serve: {exc.args[0]}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        if configured is not None:
+            await serve(configured, on_ready=lambda url: ready(configured, url))
+            return
+        port = 8000 if args.port is None else args.port
+        async with embedded_pools(
+            host=args.host or "127.0.0.1", port=port, profile=args.profile, time_scale=args.time_scale
+        ) as embedded:
+            settings = adjust(embedded)
+            await serve(settings, on_ready=lambda url: ready(settings, url))
+
+    run_until_signalled(main)
+    return 0
