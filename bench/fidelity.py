@@ -11,83 +11,19 @@ import argparse
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from specgate.calibration.costs import TableStepModel
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import A100_CODELLAMA_34B, WHITEPAPER, Profile
-from specgate.sim.engine import Engine, EngineConfig
-from specgate.sim.outcomes import FinishedRequest
+from specgate.sim.probes import decode_step, load_point, run_alone, speculative_run
 from specgate.workers.acceptance import Acceptance, SpecCounters, acceptance
 
 
-def run_alone(
-    profile: Profile, mode: Pool, prompt: int, output: int, *, seed: int = 0, spread: bool = True
-) -> FinishedRequest:
-    """One request on an idle replica; `spread=False` gives it exactly the mean acceptance rate."""
-    engine = Engine(profile, mode, EngineConfig(acceptance_concentration=None if spread else 0.0), seed=seed)
-    engine.add_request("only", prompt, output, arrival=0.0)
-    finished: list[FinishedRequest] = []
-    while engine.has_work():
-        finished += engine.step().finished
-    (request,) = finished
-    return request
-
-
-def decode_step(profile: Profile, batch: int, context: int) -> tuple[float, float]:
-    """(forward ms, whole step ms) of a pure decode step of `batch` sequences at `context` tokens."""
-    # A budget that prefills every prompt in the first step makes the second a pure decode.
-    engine = Engine(profile, Pool.PLAIN, EngineConfig(max_num_batched_tokens=batch * context))
-    for i in range(batch):
-        engine.add_request(f"r{i}", context - 1, 8, arrival=0.0)
-    first = engine.step()
-    step = engine.step()
-    if (first.batch.prefill_seqs, step.batch.decode_seqs, step.batch.prefill_tokens) != (batch, batch, 0):
-        raise AssertionError("the second step was not a pure decode of the whole batch")
-    return step.forward_ms, step.duration * 1e3
-
-
-@dataclass(frozen=True)
-class LoadPoint:
-    concurrency: int
-    plain_tpot_ms: float
-    spec_tpot_ms: float
-    plain_preemptions: int
-    spec_preemptions: int
-
-    @property
-    def speedup(self) -> float:
-        return self.plain_tpot_ms / self.spec_tpot_ms
-
-
-def load_point(
-    profile: Profile, concurrency: int, prompt: int = 512, output: int = 256, kv_capacity: int | None = None
-) -> LoadPoint:
-    """`concurrency` requests arriving at once, in each mode: median TPOT and preemptions."""
-    figures: list[tuple[float, int]] = []
-    for mode in (Pool.PLAIN, Pool.SPECULATIVE):
-        config = EngineConfig(acceptance_concentration=0.0, kv_capacity_tokens=kv_capacity)
-        engine = Engine(profile, mode, config)
-        for i in range(concurrency):
-            engine.add_request(f"r{i}", prompt, output, arrival=0.0)
-        tpots: list[float] = []
-        while engine.has_work():
-            tpots += [f.tpot for f in engine.step().finished if f.tpot is not None]
-        figures.append((statistics.median(tpots) * 1e3, engine.counters.preemptions))
-    (plain_tpot, plain_pre), (spec_tpot, spec_pre) = figures
-    return LoadPoint(concurrency, plain_tpot, spec_tpot, plain_pre, spec_pre)
-
-
-def acceptance_after_run(profile: Profile, alpha: float, requests: int = 40) -> tuple[Acceptance | None, Engine]:
+def acceptance_after_run(profile: Profile, alpha: float, requests: int = 40) -> Acceptance | None:
     """Acceptance read back from the spec counters after a speculative run at `alpha`."""
-    engine = Engine(profile, Pool.SPECULATIVE, EngineConfig(acceptance_mean=alpha, acceptance_concentration=0.0))
-    for i in range(requests):
-        engine.add_request(f"r{i}", 256, 400, arrival=0.0)
-    while engine.has_work():
-        engine.step()
-    c = engine.counters
-    return acceptance(SpecCounters(c.drafts, c.draft_tokens, c.accepted_tokens, tuple(c.accepted_per_pos))), engine
+    c = speculative_run(profile, alpha, requests).counters
+    return acceptance(SpecCounters(c.drafts, c.draft_tokens, c.accepted_tokens, tuple(c.accepted_per_pos)))
 
 
 def _pct(got: float, want: float) -> str:
@@ -153,7 +89,7 @@ def report() -> str:
         lines.append(f"| {n} | {p.plain_preemptions} / {p.spec_preemptions} |")
     lines += ["", "## Acceptance read back from the spec counters", "", "| configured a | recovered a |", "|---|---|"]
     for alpha in (0.3, 0.6, 0.72, 0.85):
-        est, _ = acceptance_after_run(A100_CODELLAMA_34B, alpha)
+        est = acceptance_after_run(A100_CODELLAMA_34B, alpha)
         got = est.per_token_alpha if est else None
         lines.append(f"| {alpha:.2f} | {got:.3f} |" if got is not None else f"| {alpha:.2f} | - |")
     return "\n".join(lines) + "\n"

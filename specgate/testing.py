@@ -1,5 +1,7 @@
-"""Local services that benchmarks and tests start for themselves: a real redis-server, and real
-vLLM servers on this CPU (one n-gram speculative and one plain, built by scripts/setup-vllm)."""
+"""Test support, shared by the tests and the benchmarks: the services they start for themselves
+(a real redis-server, simulated replicas, real vLLM servers on this CPU built by
+scripts/setup-vllm), free ports, an application served in the current event loop, and a reader
+of Prometheus samples."""
 
 from __future__ import annotations
 
@@ -8,8 +10,13 @@ import os
 import socket
 import subprocess
 import time
+import urllib.request
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from specgate.workers import launch
 from specgate.workers.vllm_launch import LaunchPlan, parse_launch
@@ -91,3 +98,75 @@ def cpu_pools(python: str, model: str, log_dir: Path) -> LaunchPlan:
             "plain": [{"port": free_port(), "env": {"VLLM_CPU_OMP_THREADS_BIND": "1" if cores > 1 else "0"}}],
         }
     )
+
+
+def sample_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in a Prometheus exposition, matched by name and labels; None when absent."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
+@dataclass
+class SimProcess:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            body: bytes = response.read()
+            return body.decode()
+
+    def sample(self, name: str, **labels: str) -> float:
+        """The value of one sample on /metrics (0.0 when absent), matched by name and labels."""
+        value = sample_value(self.metrics_text(), name, **labels)
+        return 0.0 if value is None else value
+
+    def wait_for(self, name: str, predicate: object, timeout: float = 10.0, **labels: str) -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.sample(name, **labels)
+            if callable(predicate) and predicate(value):
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} stayed at {value}")
+            time.sleep(0.05)
+
+
+def start_sim(log: Path, *args: str, wait_s: float = 30.0) -> SimProcess:
+    """Start `specgate sim` on a free port and wait for its ready line (blocking: async tests call it too)."""
+    proc = launch.spawn(launch.sim_argv(*args), log)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if url := launch.ready_url(log):
+            return SimProcess(url, proc, log)
+        time.sleep(0.05)
+    stop_process(proc)
+    raise launch.LaunchError(f"simulated replica did not start:\n{log.read_text(errors='replace')}")
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def running_app(app: web.Application) -> AsyncIterator[str]:
+    """Serve an application in this event loop on a free port; yield its base URL."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()

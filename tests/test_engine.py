@@ -6,11 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specgate.bench.fidelity import acceptance_after_run
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B, Profile
 from specgate.sim.engine import Engine, EngineConfig
 from specgate.sim.outcomes import FinishReason, StepResult
+from specgate.sim.probes import speculative_run
+from specgate.workers.acceptance import SpecCounters, acceptance
 
 PROFILE = A100_CODELLAMA_34B
 
@@ -194,12 +195,13 @@ def test_plain_steps_never_draft() -> None:
 
 @pytest.mark.parametrize(("profile", "alpha"), [(PROFILE, 0.72), (PROFILE, 0.3), (H100_LLAMA31_8B, 0.6)])
 def test_spec_counters_recover_the_acceptance_rate(profile: Profile, alpha: float) -> None:
-    est, engine = acceptance_after_run(profile, alpha)
+    engine = speculative_run(profile, alpha)
+    c = engine.counters
+    est = acceptance(SpecCounters(c.drafts, c.draft_tokens, c.accepted_tokens, tuple(c.accepted_per_pos)))
     assert est is not None
     assert est.per_token_alpha == pytest.approx(alpha, abs=0.02)
     k = engine.k
     assert est.mean_tokens_per_step == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha), rel=0.03)
-    c = engine.counters
     assert c.draft_tokens == k * c.drafts
     assert list(c.accepted_per_pos) == sorted(c.accepted_per_pos, reverse=True)
 

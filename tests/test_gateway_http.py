@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from specgate.calibration.modes import Pool
 from specgate.gateway.app import make_app
 from specgate.gateway.config import GatewaySettings, Timeouts, initial_document
+from specgate.testing import SimProcess, running_app
 from specgate.workers import launch
 from specgate.workers.pools import FleetSettings
-from tests.conftest import SimProcess, running_app
 
 pytestmark = pytest.mark.slow
 

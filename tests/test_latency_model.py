@@ -4,11 +4,11 @@ from dataclasses import replace
 
 import pytest
 
-from specgate.bench.fidelity import run_alone
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B, Profile
 from specgate.policies.features import RequestFeatures
 from specgate.policies.latency_model import LatencyModel
+from specgate.sim.probes import run_alone
 from specgate.workers.pools import FleetSettings, Replica
 from specgate.workers.snapshot import ReplicaState
 

@@ -19,9 +19,8 @@ from specgate.gateway.app import make_app
 from specgate.gateway.config import GatewaySettings, StoreSettings
 from specgate.gateway.store import PolicyStore
 from specgate.policies.document import PolicyDocument, parse
-from specgate.testing import RedisServer
+from specgate.testing import RedisServer, SimProcess, running_app, sample_value
 from specgate.workers.pools import FleetSettings
-from tests.conftest import SimProcess, running_app, sample_value
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,6 @@ import statistics
 
 import pytest
 
-from specgate.bench.fidelity import decode_step, load_point, run_alone
 from specgate.calibration.costs import TableStepModel
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import (
@@ -16,6 +15,7 @@ from specgate.calibration.profiles import (
     Profile,
     get_profile,
 )
+from specgate.sim.probes import decode_step, load_point, run_alone
 
 
 # The whitepaper's batch-1 figures: 512 prompt tokens, 256 output tokens.

@@ -23,11 +23,10 @@ from specgate.calibration.modes import Pool
 from specgate.gateway.app import make_app
 from specgate.gateway.config import GatewaySettings, initial_document
 from specgate.gateway.state import FLEET
-from specgate.testing import VLLM_MODEL, cpu_pools, free_port, setup_vllm
+from specgate.testing import VLLM_MODEL, cpu_pools, free_port, running_app, sample_value, setup_vllm
 from specgate.workers import launch
 from specgate.workers.pools import FleetSettings
 from specgate.workers.vllm_launch import Running, alive, start, stop, wait_healthy
-from tests.conftest import running_app, sample_value
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

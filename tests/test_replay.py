@@ -10,8 +10,8 @@ from specgate.bench.offline import Fleetspec, Scenario, simulate
 from specgate.bench.replay import ReplaySettings, replay
 from specgate.bench.traces import TraceRequest, read_trace
 from specgate.calibration.profiles import A100_CODELLAMA_34B
+from specgate.testing import SimProcess
 from specgate.workers import launch
-from tests.conftest import SimProcess
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from specgate.testing import SimProcess
 from specgate.workers.acceptance import SpecCounters, acceptance
-from tests.conftest import SimProcess
 
 pytestmark = pytest.mark.slow
 
