@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     import prometheus_client
 
     from specgate.sim.engine import EngineConfig, kv_blocks
-    from specgate.sim.replica import SimSettings
+    from specgate.sim.realtime import SimSettings
     from specgate.sim.server import serve
 
     # vLLM turns off the `_created` series for its whole process; the replica matches it.

@@ -7,18 +7,13 @@ anything else is the replica's business, and the body is forwarded exactly as re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import orjson
 
 from specgate.gateway.errors import BadBody, ModelNotFound
+from specgate.protocol.endpoints import Endpoint
 from specgate.protocol.tokens import chat_prompt_tokens, completion_prompt_tokens
-
-
-class Endpoint(StrEnum):
-    CHAT = "/v1/chat/completions"
-    COMPLETIONS = "/v1/completions"
 
 
 @dataclass(frozen=True)

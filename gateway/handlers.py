@@ -6,10 +6,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from specgate.gateway.body import Endpoint
 from specgate.gateway.errors import NoHealthyReplica
 from specgate.gateway.metrics import CONTENT_TYPE
 from specgate.gateway.state import FLEET, METRICS, RELAY, SESSION
+from specgate.protocol.endpoints import Endpoint
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from specgate.gateway.body import Endpoint, parse_body
+from specgate.gateway.body import parse_body
 from specgate.gateway.config import GatewaySettings
 from specgate.gateway.errors import (
     BodyTooLarge,
@@ -35,6 +35,7 @@ from specgate.policies.decision import Decision, Shed
 from specgate.policies.features import RequestFeatures
 from specgate.policies.length import LengthStats
 from specgate.policies.registry import RoutingPlan
+from specgate.protocol.endpoints import Endpoint
 from specgate.protocol.tokens import completion_tokens
 from specgate.workers.pools import Fleet, Replica
 

@@ -8,18 +8,13 @@ as vLLM does for fields it does not know.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from http import HTTPStatus
 from typing import Any
 
+from specgate.protocol.endpoints import Endpoint
 from specgate.protocol.tokens import chat_prompt_tokens, completion_prompt_tokens
 
 SCRIPTED_OUTPUT_FIELD = "specgate_sim_output_tokens"
-
-
-class Endpoint(StrEnum):
-    CHAT = "chat"
-    COMPLETIONS = "completions"
 
 
 class SimRequestError(Exception):

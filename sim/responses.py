@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from specgate.sim.requests import Endpoint
+from specgate.protocol.endpoints import Endpoint
 
 DONE = b"data: [DONE]\n\n"
 

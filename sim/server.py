@@ -19,17 +19,18 @@ from http import HTTPStatus
 import orjson
 from aiohttp import web
 
+from specgate.protocol.endpoints import Endpoint
 from specgate.protocol.serving import serve_until_cancelled
 from specgate.sim import responses
 from specgate.sim.metrics import CONTENT_TYPE
-from specgate.sim.replica import Replica, SimSettings, Submission
-from specgate.sim.requests import Endpoint, GenerationRequest, SimRequestError, parse_request
+from specgate.sim.realtime import RealtimeEngine, SimSettings, Submission
+from specgate.sim.requests import GenerationRequest, SimRequestError, parse_request
 from specgate.sim.responses import ResponseIds
 
 _log = logging.getLogger(__name__)
 
 SETTINGS = web.AppKey("settings", SimSettings)
-REPLICA = web.AppKey("replica", Replica)
+ENGINE = web.AppKey("engine", RealtimeEngine)
 STARTED = web.AppKey("started", int)
 
 _ID_PREFIX = {Endpoint.CHAT: "chatcmpl-", Endpoint.COMPLETIONS: "cmpl-"}
@@ -55,8 +56,8 @@ async def _errors(
 
 
 async def _replica_ctx(app: web.Application) -> AsyncIterator[None]:
-    replica = Replica(app[SETTINGS])
-    app[REPLICA] = replica
+    replica = RealtimeEngine(app[SETTINGS])
+    app[ENGINE] = replica
     task = asyncio.create_task(replica.run(), name="sim-engine")
     yield
     task.cancel()
@@ -79,7 +80,7 @@ async def _read_json(request: web.Request) -> object:
 
 
 async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    replica = request.app[REPLICA]
+    replica = request.app[ENGINE]
     settings = request.app[SETTINGS]
     body = await _read_json(request)
     gen = parse_request(endpoint, body, settings.model, settings.profile.max_model_len)
@@ -151,7 +152,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    replica = request.app[REPLICA]
+    replica = request.app[ENGINE]
     replica.refresh_gauges()
     return web.Response(body=replica.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -161,8 +162,8 @@ def make_app(settings: SimSettings) -> web.Application:
     app[SETTINGS] = settings
     app[STARTED] = int(time.time())
     app.cleanup_ctx.append(_replica_ctx)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post(Endpoint.CHAT, chat_completions)
+    app.router.add_post(Endpoint.COMPLETIONS, completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

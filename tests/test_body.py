@@ -1,7 +1,8 @@
 import pytest
 
-from specgate.gateway.body import Endpoint, parse_body
+from specgate.gateway.body import parse_body
 from specgate.gateway.errors import BadBody, GatewayError, ModelNotFound
+from specgate.protocol.endpoints import Endpoint
 
 SERVED = ("m",)
 

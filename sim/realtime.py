@@ -51,7 +51,7 @@ class Submission:
     outputs: asyncio.Queue[TokenOutput] = field(default_factory=asyncio.Queue)
 
 
-class Replica:
+class RealtimeEngine:
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings
         self.engine = Engine(settings.profile, settings.mode, settings.engine, seed=settings.seed)
