@@ -16,17 +16,18 @@ import dataclasses
 import heapq
 import itertools
 import statistics
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import Profile
 from specgate.policies.decision import Decision
+from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, parse
 from specgate.policies.features import RequestFeatures
 from specgate.policies.latency_model import LatencyModel
 from specgate.policies.length import LengthStats
-from specgate.policies.registry import RoutingPlan, build_policy
 from specgate.sim.engine import Engine, EngineConfig
 from specgate.sim.outcomes import StepResult
 from specgate.workers.acceptance import SpecCounters
@@ -58,7 +59,7 @@ class Scenario:
     profile: Profile
     fleet: Fleetspec
     policy: str
-    policy_params: Mapping[str, object] = field(default_factory=dict)
+    """A policy as the command line gives it (`policy_document`): its name, then its settings."""
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     hint: bool = False
@@ -138,10 +139,31 @@ def _fits(profile: Profile, request: TraceRequest) -> TraceRequest:
     return TraceRequest(request.arrival_s, prompt, max(output, 1))
 
 
+def policy_document(spec: str, profile: str) -> PolicyDocument:
+    """A policy document from its command-line form: `adaptive:shedding.enabled=true;harm_weight=0.25`
+    is the adaptive policy with shedding on and its `harm_weight` parameter set. A setting named
+    like a key of the document (`exploration`, `shedding.below_priority`) sets that key; any other is
+    one of the policy's `params`. Values: true/false, whole numbers, other numbers."""
+    name, _, rest = spec.partition(":")
+    doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "policy": name, "profile": profile, "params": {}}
+    for item in filter(None, rest.split(";")):
+        key, _, text = item.partition("=")
+        value: object = text == "true" if text in ("true", "false") else int(text) if _is_int(text) else float(text)
+        *parents, last = key.split(".")
+        node = doc if key.split(".")[0] in PolicyDocument.__struct_fields__ else doc["params"]
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return parse(doc)
+
+
+def _is_int(text: str) -> bool:
+    return text.lstrip("-").isdigit()
+
+
 def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     profile = scenario.profile
-    model = LatencyModel(profile)
-    plan = RoutingPlan(build_policy(scenario.policy, scenario.policy_params, model), model)
+    plan = policy_document(scenario.policy, profile.name).compile("offline")
     pools = {Pool.SPECULATIVE: [f"sim://spec-{i}" for i in range(scenario.fleet.spec)],
              Pool.PLAIN: [f"sim://plain-{i}" for i in range(scenario.fleet.plain)]}  # fmt: skip
     fleet = Fleet(pools, FleetSettings(scrape_interval_s=scenario.scrape_interval_s))

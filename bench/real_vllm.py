@@ -140,7 +140,7 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path) -> dict
             await asyncio.gather(*(wait_healthy(s, 600, session) for s in servers))
         config = workdir / "specgate.toml"
         for policy in args.policies:
-            config.write_text(plan.gateway_config() + f'\n[policy]\nname = "{policy}"\n[scrape]\ninterval_ms = 100\n')
+            config.write_text(plan.gateway_config() + f'\n[policy]\npolicy = "{policy}"\n[scrape]\ninterval_ms = 100\n')
             log = workdir / f"gateway-{policy}.log"
             argv = launch.specgate_argv("serve", "--config", str(config), "--port", "0")
             gateway = launch.spawn(argv, log)

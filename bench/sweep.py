@@ -41,37 +41,19 @@ class SweepSettings:
     jobs: int = os.cpu_count() or 1
 
 
-def parse_policy(text: str) -> tuple[str, dict[str, object]]:
-    """`adaptive:shed=true;shed_below_priority=1;harm_weight=0.5` -> ("adaptive", {...}), with
-    true/false as booleans, whole numbers as integers and the rest as floats."""
-    name, _, rest = text.partition(":")
-    params: dict[str, object] = {}
-    for item in filter(None, rest.split(";")):
-        key, _, value = item.partition("=")
-        if value in ("true", "false"):
-            params[key] = value == "true"
-        elif value.lstrip("-").isdigit():
-            params[key] = int(value)
-        else:
-            params[key] = float(value)
-    return name, params
-
-
 def _run(job: tuple[SweepSettings, str, float, Sequence[TraceRequest]]) -> dict[str, object]:
     settings, label, rate, trace = job
     total = settings.spec_replicas + settings.plain_replicas
-    params: dict[str, object]
     if label == ALL_PLAIN:
-        fleet, (name, params) = Fleetspec(0, total), ("least-loaded", {})
+        fleet, policy = Fleetspec(0, total), "least-loaded"
     elif label == ALL_SPEC:
-        fleet, (name, params) = Fleetspec(total, 0), ("least-loaded", {})
+        fleet, policy = Fleetspec(total, 0), "least-loaded"
     else:
-        fleet, (name, params) = Fleetspec(settings.spec_replicas, settings.plain_replicas), parse_policy(label)
+        fleet, policy = Fleetspec(settings.spec_replicas, settings.plain_replicas), label
     scenario = Scenario(
         get_profile(settings.profile),
         fleet,
-        name,
-        params,
+        policy,
         slo_ttft_ms=settings.slo_ttft_ms,
         slo_tpot_ms=settings.slo_tpot_ms,
         hint=settings.hint,

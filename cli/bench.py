@@ -73,21 +73,24 @@ def _add_offline(commands: Subcommands) -> None:
 
 
 def _run_offline(args: argparse.Namespace) -> int:
-    from specgate.bench.sweep import SweepSettings, parse_policy, run_sweep, write_outputs
+    from specgate.bench.offline import policy_document
+    from specgate.bench.sweep import SweepSettings, run_sweep, write_outputs
     from specgate.bench.traces import TraceError
-    from specgate.policies.latency_model import LatencyModel
-    from specgate.policies.registry import build_policy
+    from specgate.validation import Invalid
 
     policies = tuple(p for p in args.policies.split(",") if p)
     if not policies:
         print("specgate bench: no policies given", file=sys.stderr)
         return 2
     try:
-        model = LatencyModel(get_profile(args.profile))
+        get_profile(args.profile)
         for policy in policies:
-            build_policy(*parse_policy(policy), model)
+            policy_document(policy, args.profile)
+    except Invalid as exc:
+        print(f"specgate bench: --policies {policy}: {exc}", file=sys.stderr)
+        return 2
     except (KeyError, ValueError) as exc:
-        print(f"specgate bench: {exc}", file=sys.stderr)
+        print(f"specgate bench: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     if args.spec_replicas < 0 or args.plain_replicas < 0 or args.spec_replicas + args.plain_replicas < 1:
         print("specgate bench: the fleet needs at least one replica", file=sys.stderr)

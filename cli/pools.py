@@ -56,7 +56,7 @@ def load_plan(path: Path) -> LaunchPlan | None:
     try:
         doc = read_toml(path)
         if "launch" not in doc:
-            raise LaunchConfigError(f"{path}: no [launch] section: nothing to start")
+            raise LaunchConfigError(str(path), "no [launch] section: nothing to start")
         return parse_launch(doc["launch"], path.resolve().parent)
     except (ConfigError, LaunchConfigError) as exc:
         print(f"specgate pools: {exc}", file=sys.stderr)

@@ -40,16 +40,11 @@ def add_command(sub: Subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specgate.gateway.app import serve
-    from specgate.gateway.config import (
-        ConfigError,
-        GatewaySettings,
-        admin_token,
-        initial_document,
-        load_settings,
-        store_url,
-    )
+    from specgate.gateway.config import ConfigError, GatewaySettings, admin_token, load_settings, store_url
     from specgate.gateway.embedded import embedded_pools
-    from specgate.policies.registry import POLICY_NAMES
+    from specgate.policies.document import DocumentError, revised
+    from specgate.policies.registry import policy_kind
+    from specgate.validation import Invalid
 
     def adjust(settings: GatewaySettings) -> GatewaySettings:
         changes: dict[str, Any] = {}
@@ -60,10 +55,10 @@ def run(args: argparse.Namespace) -> int:
         if args.access_log:
             changes["access_log"] = True
         if args.policy is not None:
-            doc = settings.policy
-            changes["policy"] = initial_document(
-                args.policy, {}, profile=doc.profile, allow_pool_override=doc.allow_pool_override, slo=doc.slo
-            )
+            try:
+                changes["policy"] = revised(settings.policy, policy=args.policy, params={})
+            except DocumentError as exc:
+                raise ConfigError(f"--policy {args.policy}: {exc.field}", exc.message) from None
         store = settings.store
         if args.redis is not None:
             store = dataclasses.replace(store, url=store_url("--redis", args.redis))
@@ -91,14 +86,17 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         get_profile(args.profile)
-        if args.policy is not None and args.policy not in POLICY_NAMES:
-            raise ConfigError(f"unknown policy {args.policy!r}; known: {', '.join(POLICY_NAMES)}")
+        if args.policy is not None:
+            policy_kind(args.policy)
         if args.redis is not None:
             store_url("--redis", args.redis)
         if os.environ.get(ADMIN_TOKEN_ENV):
             admin_token(ADMIN_TOKEN_ENV, os.environ[ADMIN_TOKEN_ENV])
         configured = adjust(load_settings(args.config)) if args.config is not None else None
-    except (ConfigError, KeyError, ValueError) as exc:
+    except Invalid as exc:
+        print(f"specgate serve: {exc}", file=sys.stderr)
+        return 2
+    except (KeyError, ValueError) as exc:
         print(f"specgate serve: {exc.args[0]}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,9 @@
 """Gateway settings: a TOML file validated once at start into a frozen `GatewaySettings`.
 
-Every key is checked: unknown keys, wrong types and out-of-range values are errors that name the
-key (`pools.speculative.urls[1]: ...`). Example:
+The file's sections are declared as msgspec Structs (specgate.validation): unknown keys, wrong
+types and out-of-range values are errors that name the key (`pools.speculative.urls[1]: ...`).
+The [policy] table is the first policy document, the same object `specgate policy set` and the
+admin API take. Example:
 
     [server]
     host = "127.0.0.1"
@@ -17,7 +19,7 @@ key (`pools.speculative.urls[1]: ...`). Example:
     urls = ["http://10.0.0.3:8000"]
 
     [policy]
-    name = "threshold"
+    policy = "threshold"
     params = { max_load = 8 }
 """
 
@@ -27,20 +29,24 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+import msgspec
+from msgspec import Meta
+
 from specgate.calibration.modes import Pool
-from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
-from specgate.policies.document import SCHEMA_VERSION, DocumentError, PolicyDocument
+from specgate.policies.document import DocumentError, PolicyDocument
 from specgate.policies.document import parse as parse_document
-from specgate.policies.registry import POLICY_NAMES, SloTargets
+from specgate.validation import Invalid, Milliseconds, NonEmpty, Port, PositiveInt, convert
 from specgate.workers.pools import FleetSettings
-from specgate.workers.vllm_launch import LaunchConfigError, LaunchPlan, parse_launch
+from specgate.workers.vllm_launch import parse_launch
+
+MIN_ADMIN_TOKEN = 16
 
 
-class ConfigError(ValueError):
-    """A setting that cannot be used; the message starts with the key."""
+class ConfigError(Invalid):
+    """A setting that cannot be used; `field` names the key and the message starts with it."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,8 @@ class GatewaySettings:
     port: int = 8000
     max_body_bytes: int = 32 * 1024 * 1024
     shutdown_grace_s: float = 30.0
+    access_log: bool = False
+    """One log line per request (logger `specgate.access`)."""
     forward_authorization: bool = False
     """Pass the client's Authorization header to the replicas (off: replicas rarely share the
     gateway's credentials, and a leaked key is worse than a refused request)."""
@@ -86,190 +94,150 @@ class GatewaySettings:
     fleet: FleetSettings = field(default_factory=FleetSettings)
 
 
-_SCHEMA: Mapping[str, Mapping[str, Any]] = {
-    "server": {"host": str, "port": int, "max_body_bytes": int, "shutdown_grace_s": float},
-    "models": {"served": list},
-    "pools": {"speculative": dict, "plain": dict},
-    "scrape": {"interval_ms": float, "timeout_ms": float, "stale_after_ms": float, "eject_after": int},
-    "timeouts": {"connect_ms": float, "first_byte_ms": float, "idle_ms": float},
-    "slo": {"ttft_ms": float, "tpot_ms": float},
-    "policy": {"name": str, "params": dict, "allow_pool_override": bool, "profile": str},
-    "proxy": {"forward_authorization": bool},
-    "store": {"url": str, "prefix": str, "cache": str, "refresh_ms": float},
-    "admin": {"token": str},
-}
+# --- the file, section by section ----------------------------------------------------------------
 
 
-def _check(key: str, value: Any, kind: type) -> Any:
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
-        raise ConfigError(f"{key}: expected {kind.__name__}, got {type(value).__name__}")
-    return value
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A table of the file: every key known, every value checked (subclasses inherit this)."""
 
 
-def _positive(key: str, value: float) -> float:
-    if not value > 0:
-        raise ConfigError(f"{key}: must be positive, got {value}")
-    return value
+class _Server(_Section, frozen=True):
+    host: NonEmpty = "127.0.0.1"
+    port: Port = 8000
+    max_body_bytes: PositiveInt = 32 * 1024 * 1024
+    shutdown_grace_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
+    access_log: bool = False
 
 
-def _url(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: expected a URL string, got {type(value).__name__}")
+class _Models(_Section, frozen=True):
+    served: Annotated[list[NonEmpty], Meta(min_length=1)]
+
+
+class _PoolUrls(_Section, frozen=True):
+    urls: list[str] = msgspec.field(default_factory=list)
+
+
+class _Pools(_Section, frozen=True):
+    speculative: _PoolUrls = _PoolUrls()
+    plain: _PoolUrls = _PoolUrls()
+
+    def urls(self, pool: Pool) -> list[str]:
+        return (self.speculative if pool is Pool.SPECULATIVE else self.plain).urls
+
+
+class _Scrape(_Section, frozen=True):
+    interval_ms: Milliseconds = 250.0
+    timeout_ms: Milliseconds = 1000.0
+    stale_after_ms: Milliseconds = 2000.0
+    eject_after: PositiveInt = 3
+
+
+class _Timeouts(_Section, frozen=True):
+    connect_ms: Milliseconds = 2000.0
+    first_byte_ms: Milliseconds = 300_000.0
+    idle_ms: Milliseconds = 60_000.0
+
+
+class _Proxy(_Section, frozen=True):
+    forward_authorization: bool = False
+
+
+class _Store(_Section, frozen=True):
+    url: str | None = None
+    prefix: NonEmpty = "specgate"
+    cache: NonEmpty | None = None
+    refresh_ms: Milliseconds = 1000.0
+
+
+class _Admin(_Section, frozen=True):
+    token: str
+
+
+class _File(_Section, frozen=True):
+    """The config file; [policy] and [launch] are checked by their own parsers."""
+
+    models: _Models | None = None
+    pools: _Pools = _Pools()
+    server: _Server = _Server()
+    scrape: _Scrape = _Scrape()
+    timeouts: _Timeouts = _Timeouts()
+    proxy: _Proxy = _Proxy()
+    store: _Store = _Store()
+    admin: _Admin | None = None
+    policy: dict[str, Any] = msgspec.field(default_factory=dict)
+    launch: dict[str, Any] | None = None
+
+
+def _url(key: str, value: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        raise ConfigError(f"{key}: not an http(s) base URL: {value!r}")
+        raise ConfigError(key, f"not an http(s) base URL: {value!r}")
     return value.rstrip("/")
 
 
 def store_url(key: str, url: str) -> str:
     if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"{key}: not a redis:// URL: {url!r}")
+        raise ConfigError(key, f"not a redis:// URL: {url!r}")
     return url
 
 
 def admin_token(key: str, token: str) -> str:
-    if len(token) < 16:
-        raise ConfigError(f"{key}: an admin token needs at least 16 characters")
+    if len(token) < MIN_ADMIN_TOKEN:
+        raise ConfigError(key, f"an admin token needs at least {MIN_ADMIN_TOKEN} characters")
     return token
 
 
-def initial_document(
-    name: str,
-    params: dict[str, Any],
-    *,
-    profile: str = DEFAULT_PROFILE,
-    allow_pool_override: bool = True,
-    slo: SloTargets | None = None,
-) -> PolicyDocument:
-    """The policy document a config file's [policy] and [slo] describe.
-
-    The adaptive policy's shedding and exploration, parameters in the config file, are top-level
-    settings of the document."""
-    obj: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "policy": name, "profile": profile}
-    obj["allow_pool_override"] = allow_pool_override
-    if slo is not None:
-        obj["slo"] = {"default": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}}
-    if name == "adaptive":
-        moved = {"shed": "enabled", "shed_below_priority": "below_priority", "retry_after_s": "retry_after_s"}
-        shedding = {moved[k]: params.pop(k) for k in list(params) if k in moved}
-        if shedding:
-            obj["shedding"] = shedding
-        if "exploration" in params:
-            obj["exploration"] = params.pop("exploration")
-    obj["params"] = params
+def policy_document(table: Mapping[str, Any]) -> PolicyDocument:
+    """The config file's [policy] table: a policy document, `schema_version` optional."""
     try:
-        return parse_document(obj)
+        return parse_document(dict(table), prefix="policy")
     except DocumentError as exc:
-        raise ConfigError(f"policy: {exc}") from None
+        raise ConfigError(exc.field, exc.message) from None
 
 
 def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettings:
     """Settings from a decoded config. A [launch] section (the vLLM servers `specgate pools up`
     starts) supplies [models] and [pools] when the config does not."""
-    sections: dict[str, dict[str, Any]] = {}
-    launched: LaunchPlan | None = None
-    for name, section in doc.items():
-        if name == "launch":
-            try:
-                launched = parse_launch(section, base)
-            except LaunchConfigError as exc:
-                raise ConfigError(str(exc)) from None
-            continue
-        if name not in _SCHEMA:
-            raise ConfigError(f"{name}: unknown section; known: {', '.join(_SCHEMA)}")
-        if not isinstance(section, dict):
-            raise ConfigError(f"{name}: expected a table")
-        checked: dict[str, Any] = {}
-        for key, value in section.items():
-            if key not in _SCHEMA[name]:
-                raise ConfigError(f"{name}.{key}: unknown key; known: {', '.join(_SCHEMA[name])}")
-            checked[key] = _check(f"{name}.{key}", value, _SCHEMA[name][key])
-        sections[name] = checked
-
-    def get(section: str, key: str, default: Any) -> Any:
-        return sections.get(section, {}).get(key, default)
-
-    def seconds(section: str, key: str, default_ms: float) -> float:
-        return _positive(f"{section}.{key}", get(section, key, default_ms)) / 1e3
-
+    try:
+        file = convert(dict(doc), _File, root="(config)")
+        launched = parse_launch(file.launch, base) if file.launch is not None else None
+    except Invalid as exc:
+        raise ConfigError(exc.field, exc.message) from None
+    served = file.models.served if file.models is not None else None
+    pools = {pool: tuple(_url(f"pools.{pool.value}.urls[{i}]", u) for i, u in enumerate(file.pools.urls(pool)))
+             for pool in Pool}  # fmt: skip
     if launched is not None:
-        sections.setdefault("models", {"served": [launched.model_name]})
-        if not sections.get("pools"):
-            sections["pools"] = {
-                pool.value: {"urls": [s.url for s in launched.servers if s.pool is pool]} for pool in Pool
-            }
-    served = get("models", "served", [])
-    for i, model in enumerate(served):
-        if not isinstance(model, str) or not model:
-            raise ConfigError(f"models.served[{i}]: expected a non-empty string")
+        served = served or [launched.model_name]
+        if not any(pools.values()):
+            pools = {pool: tuple(s.url for s in launched.servers if s.pool is pool) for pool in Pool}
     if not served:
-        raise ConfigError("models.served: list at least one served model name")
-
-    pools: dict[Pool, tuple[str, ...]] = {}
-    for pool in Pool:
-        table = get("pools", pool.value, {})
-        for key in table:
-            if key != "urls":
-                raise ConfigError(f"pools.{pool.value}.{key}: unknown key; known: urls")
-        urls = table.get("urls", [])
-        if not isinstance(urls, list):
-            raise ConfigError(f"pools.{pool.value}.urls: expected a list of URLs")
-        pools[pool] = tuple(_url(f"pools.{pool.value}.urls[{i}]", u) for i, u in enumerate(urls))
+        raise ConfigError("models.served", "list at least one served model name")
     if not any(pools.values()):
-        raise ConfigError("pools: configure at least one replica in pools.speculative or pools.plain")
-
-    port = get("server", "port", 8000)
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"server.port: out of range: {port}")
-    policy_name = get("policy", "name", "adaptive")
-    if policy_name not in POLICY_NAMES:
-        raise ConfigError(f"policy.name: unknown policy {policy_name!r}; known: {', '.join(POLICY_NAMES)}")
-    profile = get("policy", "profile", DEFAULT_PROFILE)
-    if profile not in PROFILES:
-        raise ConfigError(f"policy.profile: unknown profile {profile!r}; known: {', '.join(PROFILES)}")
-    slo_ttft, slo_tpot = get("slo", "ttft_ms", None), get("slo", "tpot_ms", None)
-    policy = initial_document(
-        policy_name,
-        dict(get("policy", "params", {})),
-        profile=profile,
-        allow_pool_override=get("policy", "allow_pool_override", True),
-        slo=SloTargets(
-            ttft_ms=_positive("slo.ttft_ms", slo_ttft) if slo_ttft is not None else None,
-            tpot_ms=_positive("slo.tpot_ms", slo_tpot) if slo_tpot is not None else None,
-        ),
-    )
-    url = get("store", "url", None)
-    cache = get("store", "cache", None)
-    token = get("admin", "token", None)
+        raise ConfigError("pools", "configure at least one replica in pools.speculative or pools.plain")
+    store, scrape, timeouts = file.store, file.scrape, file.timeouts
     return GatewaySettings(
         models=tuple(served),
         pools=pools,
-        host=get("server", "host", "127.0.0.1"),
-        port=port,
-        max_body_bytes=int(_positive("server.max_body_bytes", get("server", "max_body_bytes", 32 * 1024 * 1024))),
-        shutdown_grace_s=_positive("server.shutdown_grace_s", get("server", "shutdown_grace_s", 30.0)),
-        forward_authorization=get("proxy", "forward_authorization", False),
-        timeouts=Timeouts(
-            connect_s=seconds("timeouts", "connect_ms", 2000.0),
-            first_byte_s=seconds("timeouts", "first_byte_ms", 300_000.0),
-            idle_s=seconds("timeouts", "idle_ms", 60_000.0),
-        ),
-        policy=policy,
+        host=file.server.host,
+        port=file.server.port,
+        max_body_bytes=file.server.max_body_bytes,
+        shutdown_grace_s=file.server.shutdown_grace_s,
+        access_log=file.server.access_log,
+        forward_authorization=file.proxy.forward_authorization,
+        timeouts=Timeouts(timeouts.connect_ms / 1e3, timeouts.first_byte_ms / 1e3, timeouts.idle_ms / 1e3),
+        policy=policy_document(file.policy),
         store=StoreSettings(
-            url=store_url("store.url", url) if url is not None else None,
-            prefix=get("store", "prefix", "specgate"),
-            cache=Path(cache) if cache is not None else None,
-            refresh_s=seconds("store", "refresh_ms", 1000.0),
+            url=store_url("store.url", store.url) if store.url is not None else None,
+            prefix=store.prefix,
+            cache=Path(store.cache) if store.cache is not None else None,
+            refresh_s=store.refresh_ms / 1e3,
         ),
-        admin_token=admin_token("admin.token", token) if token is not None else None,
+        admin_token=admin_token("admin.token", file.admin.token) if file.admin is not None else None,
         fleet=FleetSettings(
-            scrape_interval_s=seconds("scrape", "interval_ms", 250.0),
-            scrape_timeout_s=seconds("scrape", "timeout_ms", 1000.0),
-            stale_after_s=seconds("scrape", "stale_after_ms", 2000.0),
-            eject_after=int(_positive("scrape.eject_after", get("scrape", "eject_after", 3))),
+            scrape_interval_s=scrape.interval_ms / 1e3,
+            scrape_timeout_s=scrape.timeout_ms / 1e3,
+            stale_after_s=scrape.stale_after_ms / 1e3,
+            eject_after=scrape.eject_after,
         ),
     )
 
@@ -278,9 +246,9 @@ def read_toml(path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text())
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+        raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        raise ConfigError(str(path), f"not valid TOML: {exc}") from None
 
 
 def load_settings(path: Path) -> GatewaySettings:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
+
 from specgate.policies.features import RequestFeatures
+from specgate.validation import Priority, Seconds
 from specgate.workers.snapshot import ReplicaState, Snapshot
 
 
@@ -30,6 +33,16 @@ class Shed:
 
     reason: str
     retry_after_s: float
+
+
+class Shedding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """When a policy may shed (refuse) a request it cannot serve in time: the policy document's
+    `shedding`, the one name of this knob everywhere."""
+
+    enabled: bool = False
+    below_priority: Priority = 0
+    """Requests whose x-priority is below this may be refused with 429."""
+    retry_after_s: Seconds = 1.0
 
 
 class Policy(Protocol):

@@ -1,6 +1,7 @@
 """The policy document: what operators change live, validated strictly and compiled into a plan.
 
-A JSON object; every key but `schema_version` is optional and takes the default shown:
+A JSON object (in the config file, the same object as the TOML table [policy]); every key but
+`schema_version` is optional and takes the default shown:
 
     {
       "schema_version": 1,
@@ -21,248 +22,144 @@ A JSON object; every key but `schema_version` is optional and takes the default 
     }
 
 Unknown keys, wrong types and out-of-range values raise `DocumentError`, whose `field` is the
-path of the offending key (`pools.plain.weight`). Shedding and exploration are the adaptive
-policy's; the other policies neither shed nor explore, so enabling shedding with them is an error.
+path of the offending key (`pools.plain.weight`). Shedding is the adaptive policy's alone; the
+other policies never refuse a request, so enabling shedding with them is an error. `parse`
+checks everything `compile` relies on, so a parsed document always compiles, once, into the plan
+the gateway swaps in.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any
+from typing import Annotated, Any, Literal
 
-import orjson
+import msgspec
+from msgspec import Meta
 
 from specgate.calibration.modes import Pool
-from specgate.calibration.profiles import DEFAULT_PROFILE, get_profile
+from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
+from specgate.policies.decision import Shedding
+from specgate.policies.features import SloTargets
 from specgate.policies.latency_model import LatencyModel
-from specgate.policies.registry import POLICY_NAMES, PolicyConfigError, RoutingPlan, SloTargets, build_policy
+from specgate.policies.registry import Knobs, RoutingPlan, build_policy, policy_kind, policy_params
+from specgate.validation import ClassName, Invalid, Weight, convert
 
 SCHEMA_VERSION = 1
-MAX_SLO_MS = 3_600_000.0
-MAX_WEIGHT = 100.0
 MAX_CLASSES = 256
-_TOP_LEVEL = frozenset(
-    {"schema_version", "policy", "params", "profile", "slo", "allow_pool_override", "shedding", "exploration", "pools"}
-)
-_ADAPTIVE_OWN = frozenset({"shed", "shed_below_priority", "retry_after_s", "exploration"})
-"""Adaptive parameters the document sets at its top level, never under `params`."""
 
 
-class DocumentError(ValueError):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+class DocumentError(Invalid):
+    """A policy document that cannot be applied; `field` names the offending key."""
 
 
-@dataclass(frozen=True)
-class Shedding:
-    enabled: bool = False
-    below_priority: int = 0
-    """Requests whose x-priority is below this may be refused with 429."""
-    retry_after_s: float = 1.0
+class SloTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    default: SloTargets = SloTargets()
+    classes: Mapping[str, SloTargets] = msgspec.field(default_factory=dict)
+    """By `x-request-class`; a class not listed gets `default`."""
 
 
-@dataclass(frozen=True)
-class PoolControl:
-    weight: float = 1.0
+class PoolControl(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    weight: Weight = 1.0
+    """Preference for the pool: policies divide its load and predicted completion by it."""
     drain: bool = False
+    """Take no new requests (an operator's kill switch)."""
 
 
-@dataclass(frozen=True)
-class PolicyDocument:
+class PoolControls(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    speculative: PoolControl = PoolControl()
+    plain: PoolControl = PoolControl()
+
+    def __getitem__(self, pool: Pool) -> PoolControl:
+        return self.speculative if pool is Pool.SPECULATIVE else self.plain
+
+
+class PolicyDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    schema_version: Literal[1] = 1
     policy: str = "adaptive"
-    params: Mapping[str, Any] = field(default_factory=dict)
+    params: Mapping[str, Any] = msgspec.field(default_factory=dict)
     profile: str = DEFAULT_PROFILE
-    slo: SloTargets = field(default_factory=SloTargets)
-    slo_classes: Mapping[str, SloTargets] = field(default_factory=dict)
+    slo: SloTable = SloTable()
     allow_pool_override: bool = True
-    shedding: Shedding = field(default_factory=Shedding)
-    exploration: float = 0.02
-    pools: Mapping[Pool, PoolControl] = field(default_factory=lambda: {pool: PoolControl() for pool in Pool})
+    shedding: Shedding = Shedding()
+    exploration: Annotated[float, Meta(ge=0, le=0.5)] = 0.02
+    """Share of requests the adaptive policy sends to the other pool's best replica, to keep learning it."""
+    pools: PoolControls = PoolControls()
 
     def to_json(self) -> dict[str, Any]:
-        def slo(t: SloTargets) -> dict[str, float | None]:
-            return {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms}
-
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "policy": self.policy,
-            "params": dict(self.params),
-            "profile": self.profile,
-            "slo": {"default": slo(self.slo), "classes": {k: slo(v) for k, v in self.slo_classes.items()}},
-            "allow_pool_override": self.allow_pool_override,
-            "shedding": {
-                "enabled": self.shedding.enabled,
-                "below_priority": self.shedding.below_priority,
-                "retry_after_s": self.shedding.retry_after_s,
-            },
-            "exploration": self.exploration,
-            "pools": {p.value: {"weight": c.weight, "drain": c.drain} for p, c in self.pools.items()},
-        }
+        result: dict[str, Any] = msgspec.to_builtins(self, order="sorted")
+        return result
 
     def dumps(self) -> bytes:
         """Canonical JSON: the same document always gives the same bytes."""
-        return orjson.dumps(self.to_json(), option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
+        return msgspec.json.format(msgspec.json.encode(self, order="sorted"), indent=2)
 
     def compile(self, version: str) -> RoutingPlan:
-        model = LatencyModel(get_profile(self.profile))
-        params = dict(self.params)
-        if self.policy == "adaptive":
-            params.update(
-                shed=self.shedding.enabled,
-                shed_below_priority=self.shedding.below_priority,
-                retry_after_s=self.shedding.retry_after_s,
-                exploration=self.exploration,
-            )
+        """The plan this document routes by; `parse` has checked everything this relies on."""
+        model = LatencyModel(PROFILES[self.profile])
+        knobs = Knobs(shedding=self.shedding, exploration=self.exploration)
         return RoutingPlan(
-            build_policy(self.policy, params, model),
+            build_policy(self.policy, self.params, model, knobs),
             model,
             allow_pool_override=self.allow_pool_override,
             version=version,
-            slo=self.slo,
-            slo_classes=self.slo_classes,
-            pool_weights={p: c.weight for p, c in self.pools.items() if c.weight != 1.0},
-            drained=frozenset(p for p, c in self.pools.items() if c.drain),
+            slo=self.slo.default,
+            slo_classes=self.slo.classes,
+            pool_weights={p: self.pools[p].weight for p in Pool if self.pools[p].weight != 1.0},
+            drained=frozenset(p for p in Pool if self.pools[p].drain),
         )
+
+
+def revised(document: PolicyDocument, **changes: Any) -> PolicyDocument:
+    """A copy of `document` with some keys changed, validated like any other document."""
+    return parse(msgspec.to_builtins(msgspec.structs.replace(document, **changes)))
 
 
 def loads(raw: bytes | str) -> PolicyDocument:
     try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+        obj = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
         raise DocumentError("(document)", f"not valid JSON: {exc}") from None
     return parse(obj)
 
 
-def _table(path: str, value: Any, known: frozenset[str]) -> Mapping[str, Any]:
-    if not isinstance(value, dict):
-        raise DocumentError(path or "(document)", f"expected an object, got {_kind(value)}")
-    for key in value:
-        if key not in known:
-            where = f"{path}.{key}" if path else key
-            raise DocumentError(where, f"unknown key; known: {', '.join(sorted(known))}")
-    return value
-
-
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _bool(path: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise DocumentError(path, f"expected true or false, got {_kind(value)}")
-    return value
-
-
-def _number(path: str, value: Any, low: float, high: float, *, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise DocumentError(path, f"expected a number, got {_kind(value)}")
-    if not (low < value if low_open else low <= value) or value > high:
-        bracket = "(" if low_open else "["
-        raise DocumentError(path, f"must lie in {bracket}{low:g}, {high:g}], got {value!r}")
-    return float(value)
-
-
-def _integer(path: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise DocumentError(path, f"expected an integer, got {_kind(value)}")
-    if not low <= value <= high:
-        raise DocumentError(path, f"must lie in [{low}, {high}], got {value}")
-    return value
-
-
-def _string(path: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise DocumentError(path, f"expected a string, got {_kind(value)}")
-    return value
-
-
-def _slo(path: str, value: Any) -> SloTargets:
-    table = _table(path, value, frozenset({"ttft_ms", "tpot_ms"}))
-    targets = {}
-    for key in ("ttft_ms", "tpot_ms"):
-        raw = table.get(key)
-        targets[key] = None if raw is None else _number(f"{path}.{key}", raw, 0.0, MAX_SLO_MS, low_open=True)
-    return SloTargets(**targets)
-
-
-def _class_name(path: str, name: str) -> str:
-    if not 1 <= len(name) <= 64 or not all(c.isascii() and (c.isalnum() or c in "._-") for c in name):
-        raise DocumentError(f"{path}.{name}", "a class name is 1-64 letters, digits and ._-")
-    return name
-
-
-def parse(obj: Any) -> PolicyDocument:
-    """Validate a decoded JSON document; the result compiles (its policy and profile exist)."""
-    doc = _table("", obj, _TOP_LEVEL)
-    if "schema_version" not in doc:
-        raise DocumentError("schema_version", "missing; this gateway reads schema_version 1")
-    version = doc["schema_version"]
-    if isinstance(version, bool) or version != SCHEMA_VERSION:
-        raise DocumentError("schema_version", f"unsupported: {version!r}; this gateway reads 1")
-    default = PolicyDocument()
-    policy = _string("policy", doc.get("policy", default.policy))
-    if policy not in POLICY_NAMES:
-        raise DocumentError("policy", f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}")
-    params = doc.get("params", {})
-    if not isinstance(params, dict):
-        raise DocumentError("params", f"expected an object, got {_kind(params)}")
-    for key in params:
-        if policy == "adaptive" and key in _ADAPTIVE_OWN:
-            top = "exploration" if key == "exploration" else "shedding"
-            raise DocumentError(f"params.{key}", f"set it in the document's {top!r}, not in params")
-    profile = _string("profile", doc.get("profile", default.profile))
-
-    slo_table = _table("slo", doc.get("slo", {}), frozenset({"default", "classes"}))
-    slo = _slo("slo.default", slo_table["default"]) if "default" in slo_table else SloTargets()
-    classes_raw = slo_table.get("classes", {})
-    if not isinstance(classes_raw, dict):
-        raise DocumentError("slo.classes", f"expected an object, got {_kind(classes_raw)}")
-    if len(classes_raw) > MAX_CLASSES:
-        raise DocumentError("slo.classes", f"at most {MAX_CLASSES} classes, got {len(classes_raw)}")
-    classes = {_class_name("slo.classes", k): _slo(f"slo.classes.{k}", v) for k, v in classes_raw.items()}
-
-    shed_table = _table("shedding", doc.get("shedding", {}), frozenset({"enabled", "below_priority", "retry_after_s"}))
-    shedding = Shedding(
-        enabled=_bool("shedding.enabled", shed_table.get("enabled", False)),
-        below_priority=_integer("shedding.below_priority", shed_table.get("below_priority", 0), -1_000_000, 1_000_000),
-        retry_after_s=_number("shedding.retry_after_s", shed_table.get("retry_after_s", 1.0), 0.0, 3600.0),
-    )
-    if shedding.enabled and policy != "adaptive":
-        raise DocumentError("shedding.enabled", f"only the adaptive policy sheds; policy is {policy!r}")
-
-    pools_table = _table("pools", doc.get("pools", {}), frozenset(p.value for p in Pool))
-    pools = {}
-    for pool in Pool:
-        path = f"pools.{pool.value}"
-        table = _table(path, pools_table.get(pool.value, {}), frozenset({"weight", "drain"}))
-        pools[pool] = PoolControl(
-            weight=_number(f"{path}.weight", table.get("weight", 1.0), 0.0, MAX_WEIGHT, low_open=True),
-            drain=_bool(f"{path}.drain", table.get("drain", False)),
-        )
-    if all(c.drain for c in pools.values()):
-        raise DocumentError("pools", "both pools drained: the gateway could serve nothing")
-
-    document = PolicyDocument(
-        policy=policy,
-        params=MappingProxyType(dict(params)),
-        profile=profile,
-        slo=slo,
-        slo_classes=classes,
-        allow_pool_override=_bool("allow_pool_override", doc.get("allow_pool_override", True)),
-        shedding=shedding,
-        exploration=_number("exploration", doc.get("exploration", default.exploration), 0.0, 0.5),
-        pools=pools,
-    )
+def parse(obj: Any, *, prefix: str = "") -> PolicyDocument:
+    """Validate a decoded JSON document; `prefix` heads the fields errors name (a config file's
+    [policy] table is a document too, with `schema_version` optional there)."""
+    if isinstance(obj, dict) and "schema_version" not in obj and not prefix:
+        raise DocumentError("schema_version", f"missing; this gateway reads schema_version {SCHEMA_VERSION}")
     try:
-        get_profile(profile)
-    except KeyError as exc:
-        raise DocumentError("profile", str(exc.args[0]) if exc.args else "unknown profile") from None
+        _check_classes(obj, prefix)
+        document = convert(obj, PolicyDocument, root=prefix or "(document)", prefix=prefix)
+    except Invalid as exc:
+        raise DocumentError(exc.field, exc.message) from None
     try:
-        document.compile("check")
-    except PolicyConfigError as exc:
-        raise DocumentError(f"params.{exc.param}" if exc.param else "params", str(exc)) from None
+        _check(document)
+    except Invalid as exc:
+        raise DocumentError(f"{prefix}.{exc.field}" if prefix else exc.field, exc.message) from None
     return document
+
+
+def _check_classes(obj: Any, prefix: str) -> None:
+    """Each SLO class on its own, so that an error names the class (a table's key is not in
+    the path the whole conversion reports)."""
+    slo = obj.get("slo") if isinstance(obj, dict) else None
+    classes = slo.get("classes") if isinstance(slo, dict) else None
+    if isinstance(classes, dict):
+        where = f"{prefix}.slo.classes" if prefix else "slo.classes"
+        for name, targets in classes.items():
+            convert(name, ClassName, root=f"{where}.{name}")
+            convert(targets, SloTargets, root=f"{where}.{name}", prefix=f"{where}.{name}")
+
+
+def _check(document: PolicyDocument) -> None:
+    """What one field's type cannot say: how fields relate, and what the names refer to."""
+    kind = policy_kind(document.policy)
+    policy_params(document.policy, document.params)
+    if document.profile not in PROFILES:
+        raise Invalid("profile", f"unknown profile {document.profile!r}; known: {', '.join(PROFILES)}")
+    if len(document.slo.classes) > MAX_CLASSES:
+        raise Invalid("slo.classes", f"at most {MAX_CLASSES} classes, got {len(document.slo.classes)}")
+    if document.shedding.enabled and not kind.sheds:
+        raise Invalid("shedding.enabled", f"only the adaptive policy sheds; policy is {document.policy!r}")
+    if all(document.pools[p].drain for p in Pool):
+        raise Invalid("pools", "both pools drained: the gateway could serve nothing")

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from specgate.calibration.modes import Pool
+from specgate.validation import Milliseconds
+
+
+class SloTargets(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request's latency targets: from its headers, else its class's defaults in the policy document."""
+
+    ttft_ms: Milliseconds | None = None
+    tpot_ms: Milliseconds | None = None
 
 
 @dataclass(frozen=True)

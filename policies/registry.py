@@ -1,4 +1,4 @@
-"""Policies by name, built from declarative parameters, and the routing plan that runs them.
+"""Policies by name, each with the type of its parameters, and the routing plan that runs them.
 
 A plan is immutable: the gateway swaps a new one in with one assignment, so a request is always
 routed by exactly one complete plan.
@@ -8,104 +8,78 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
 
 from specgate.calibration.modes import Pool
-from specgate.policies.adaptive import Adaptive
+from specgate.policies.adaptive import Adaptive, AdaptiveParams
 from specgate.policies.baselines import Forced, LeastLoaded, PoolOnly, RoundRobin, Threshold
-from specgate.policies.decision import Decision, Policy, Shed
-from specgate.policies.features import RequestFeatures
+from specgate.policies.decision import Decision, Policy, Shed, Shedding
+from specgate.policies.features import RequestFeatures, SloTargets
 from specgate.policies.latency_model import LatencyModel
+from specgate.validation import Invalid, convert
 from specgate.workers.snapshot import Snapshot
 
 
-class PolicyConfigError(ValueError):
-    """A policy name or parameter that cannot be used; the message names it."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        """The parameter at fault; None when the policy's name is."""
+class NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A policy without parameters."""
 
 
-def _number(name: str, params: Mapping[str, object], key: str, default: float, low: float, high: float) -> float:
-    value = params.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise PolicyConfigError(f"policy {name}: {key} must be a number in [{low}, {high}], got {value!r}", key)
-    return float(value)
-
-
-def _adaptive(model: LatencyModel, params: Mapping[str, object]) -> Policy:
-    shed = params.get("shed", False)
-    if not isinstance(shed, bool):
-        raise PolicyConfigError(f"policy adaptive: shed must be true or false, got {shed!r}", "shed")
-    below = params.get("shed_below_priority", 0)
-    if isinstance(below, bool) or not isinstance(below, int):
-        raise PolicyConfigError(
-            f"policy adaptive: shed_below_priority must be an integer, got {below!r}", "shed_below_priority"
-        )
-    return Adaptive(
-        model,
-        exploration=_number("adaptive", params, "exploration", 0.02, 0.0, 0.5),
-        harm_weight=_number("adaptive", params, "harm_weight", 0.5, 0.0, 100.0),
-        shed=shed,
-        shed_below_priority=below,
-        retry_after_s=_number("adaptive", params, "retry_after_s", 1.0, 0.0, 3600.0),
-        slo_margin=_number("adaptive", params, "slo_margin", 0.9, 0.1, 0.999),
-        min_chance=_number("adaptive", params, "min_chance", 0.5, 0.0, 1.0),
-        tolerance=_number("adaptive", params, "tolerance", 0.05, 0.0, 1.0),
-    )
-
-
-def _threshold(model: LatencyModel, params: Mapping[str, object]) -> Policy:
-    value = params.get("max_load", 8)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise PolicyConfigError(f"policy threshold: max_load must be a positive number, got {value!r}", "max_load")
-    return Threshold(model, float(value))
-
-
-_BUILDERS: Mapping[str, tuple[frozenset[str], Callable[[LatencyModel, Mapping[str, object]], Policy]]] = {
-    "adaptive": (
-        frozenset(
-            {
-                "exploration",
-                "harm_weight",
-                "shed",
-                "shed_below_priority",
-                "retry_after_s",
-                "slo_margin",
-                "min_chance",
-                "tolerance",
-            }
-        ),
-        _adaptive,
-    ),
-    "round-robin": (frozenset(), lambda m, _: RoundRobin(m)),
-    "least-loaded": (frozenset(), lambda m, _: LeastLoaded(m)),
-    "speculative-only": (frozenset(), lambda m, _: PoolOnly(m, Pool.SPECULATIVE)),
-    "plain-only": (frozenset(), lambda m, _: PoolOnly(m, Pool.PLAIN)),
-    "threshold": (frozenset({"max_load"}), _threshold),
-}
-
-POLICY_NAMES = tuple(_BUILDERS)
-
-
-def build_policy(name: str, params: Mapping[str, object], model: LatencyModel) -> Policy:
-    try:
-        allowed, build = _BUILDERS[name]
-    except KeyError:
-        raise PolicyConfigError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}") from None
-    unknown = sorted(set(params) - allowed)
-    if unknown:
-        raise PolicyConfigError(f"policy {name}: unknown parameter(s) {', '.join(unknown)}", unknown[0])
-    return build(model, params)
+class ThresholdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_load: Annotated[float, Meta(gt=0)] = 8.0
+    """Mean requests per speculative replica above which new requests go to the plain pool."""
 
 
 @dataclass(frozen=True)
-class SloTargets:
-    """The SLOs a request gets when it sends no header of its own."""
+class Knobs:
+    """The policy document's settings a policy may read besides its own parameters."""
 
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
+    shedding: Shedding = field(default_factory=Shedding)
+    exploration: float = 0.02
+
+
+@dataclass(frozen=True)
+class PolicyKind:
+    params: type[msgspec.Struct]
+    build: Callable[[LatencyModel, Any, Knobs], Policy]
+    sheds: bool = False
+    """Whether the policy reads `shedding` (the others never refuse a request)."""
+
+
+POLICIES: Mapping[str, PolicyKind] = {
+    "adaptive": PolicyKind(AdaptiveParams, lambda m, p, k: Adaptive(m, p, k.shedding, k.exploration), sheds=True),
+    "round-robin": PolicyKind(NoParams, lambda m, _p, _k: RoundRobin(m)),
+    "least-loaded": PolicyKind(NoParams, lambda m, _p, _k: LeastLoaded(m)),
+    "speculative-only": PolicyKind(NoParams, lambda m, _p, _k: PoolOnly(m, Pool.SPECULATIVE)),
+    "plain-only": PolicyKind(NoParams, lambda m, _p, _k: PoolOnly(m, Pool.PLAIN)),
+    "threshold": PolicyKind(ThresholdParams, lambda m, p, _k: Threshold(m, p.max_load)),
+}
+
+POLICY_NAMES = tuple(POLICIES)
+
+
+def policy_kind(name: str) -> PolicyKind:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise Invalid("policy", f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}") from None
+
+
+def policy_params(name: str, params: Mapping[str, Any]) -> msgspec.Struct:
+    """`params` checked against the named policy's parameters (`Invalid` names `params.<key>`)."""
+    params_type: Any = policy_kind(name).params
+    result: msgspec.Struct = convert(dict(params), params_type, root="params", prefix="params")
+    return result
+
+
+def build_policy(
+    name: str, params: Mapping[str, Any] | msgspec.Struct, model: LatencyModel, knobs: Knobs | None = None
+) -> Policy:
+    kind = policy_kind(name)
+    checked = params if isinstance(params, kind.params) else policy_params(name, params)  # type: ignore[arg-type]
+    return kind.build(model, checked, knobs or Knobs())
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import A100_CODELLAMA_34B
 from specgate.policies.adaptive import Adaptive
-from specgate.policies.decision import Decision, Shed
+from specgate.policies.decision import Decision, Shed, Shedding
 from specgate.policies.features import RequestFeatures
 from specgate.policies.latency_model import LatencyModel
-from specgate.policies.registry import POLICY_NAMES, PolicyConfigError, build_policy
+from specgate.policies.registry import POLICY_NAMES, Knobs, build_policy
+from specgate.validation import Invalid
 from specgate.workers.pools import FleetSettings, Replica
 from specgate.workers.snapshot import ReplicaState, Snapshot
 
@@ -75,18 +76,21 @@ def test_exploration_sends_the_configured_share_to_the_other_pool() -> None:
 @pytest.mark.parametrize(("priority", "shed"), [(-1, True), (0, False), (5, False)])
 def test_shedding_only_when_enabled_and_priority_allows(priority: int, shed: bool) -> None:
     hopeless = replace(FEATURES, slo_tpot_ms=5.0, priority=priority)
-    decision = Adaptive(MODEL, shed=True, shed_below_priority=0).decide(hopeless, ALL_SLOW)
+    decision = Adaptive(MODEL, shedding=Shedding(enabled=True, below_priority=0)).decide(hopeless, ALL_SLOW)
     assert isinstance(decision, Shed) is shed
     assert isinstance(Adaptive(MODEL).decide(hopeless, ALL_SLOW), Decision)  # shedding off by default
 
 
 @pytest.mark.parametrize(
-    "params",
-    [{"exploration": 0.9}, {"harm_weight": -1}, {"shed": "yes"}, {"shed_below_priority": 0.5}, {"tolerance": 2}],
-)
-def test_bad_adaptive_parameters(params: dict[str, object]) -> None:
-    with pytest.raises(PolicyConfigError):
+    ("params", "field"),
+    [({"exploration": 0.1}, "params.exploration"), ({"harm_weight": -1}, "params.harm_weight"),
+     ({"shed": True}, "params.shed"), ({"slo_margin": "high"}, "params.slo_margin"),
+     ({"tolerance": 2}, "params.tolerance")],
+)  # fmt: skip
+def test_bad_adaptive_parameters(params: dict[str, object], field: str) -> None:
+    with pytest.raises(Invalid) as exc:
         build_policy("adaptive", params, MODEL)
+    assert exc.value.field == field
 
 
 replica_states = st.builds(
@@ -144,8 +148,8 @@ features = st.builds(
 def test_every_policy_returns_a_healthy_replica_and_never_raises(
     name: str, replicas: list[ReplicaState], request: RequestFeatures, shed: bool
 ) -> None:
-    params: dict[str, object] = {"shed": shed} if name == "adaptive" else {}
-    decision = build_policy(name, params, MODEL).decide(request, Snapshot(tuple(replicas)))
+    knobs = Knobs(shedding=Shedding(enabled=shed and name == "adaptive"))
+    decision = build_policy(name, {}, MODEL, knobs).decide(request, Snapshot(tuple(replicas)))
     if not any(r.healthy for r in replicas):
         assert decision is None
     elif isinstance(decision, Decision):

@@ -9,7 +9,8 @@ from specgate.calibration.profiles import A100_CODELLAMA_34B
 from specgate.policies.decision import Decision
 from specgate.policies.features import RequestFeatures
 from specgate.policies.latency_model import LatencyModel
-from specgate.policies.registry import PolicyConfigError, RoutingPlan, build_policy
+from specgate.policies.registry import RoutingPlan, build_policy
+from specgate.validation import Invalid
 from specgate.workers.snapshot import ReplicaState, Snapshot
 
 MODEL = LatencyModel(A100_CODELLAMA_34B)
@@ -107,14 +108,14 @@ def test_plan_honours_forced_pool_when_allowed(allow: bool, forced: Pool, chosen
     ("name", "params", "message"),
     [
         ("nope", {}, "unknown policy"),
-        ("least-loaded", {"max_load": 3}, "unknown parameter"),
+        ("least-loaded", {"max_load": 3}, "unknown key"),
         ("threshold", {"max_load": -1}, "max_load"),
         ("threshold", {"max_load": "8"}, "max_load"),
         ("threshold", {"max_load": True}, "max_load"),
     ],
 )
 def test_build_policy_rejects_bad_names_and_params(name: str, params: dict[str, object], message: str) -> None:
-    with pytest.raises(PolicyConfigError, match=message):
+    with pytest.raises(Invalid, match=message):
         build_policy(name, params, MODEL)
 
 

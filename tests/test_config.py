@@ -5,6 +5,8 @@ import pytest
 
 from specgate.calibration.modes import Pool
 from specgate.gateway.config import ConfigError, load_settings, parse_settings
+from specgate.policies.decision import Shedding
+from specgate.policies.document import parse
 
 MINIMAL: dict[str, Any] = {
     "models": {"served": ["m"]},
@@ -35,13 +37,13 @@ def test_minimal_config_takes_defaults() -> None:
 def test_values_convert_to_seconds() -> None:
     doc = with_("scrape", interval_ms=100)
     doc["timeouts"] = {"first_byte_ms": 1500, "idle_ms": 2000.5}
-    doc["slo"] = {"ttft_ms": 300}
+    doc["policy"] = {"slo": {"default": {"ttft_ms": 300}}}
     s = parse_settings(doc)
     assert s.fleet.scrape_interval_s == pytest.approx(0.1)
     assert s.timeouts.first_byte_s == pytest.approx(1.5)
     assert s.timeouts.idle_s == pytest.approx(2.0005)
-    assert s.policy.slo.ttft_ms == 300.0
-    assert s.policy.slo.tpot_ms is None
+    assert s.policy.slo.default.ttft_ms == 300.0
+    assert s.policy.slo.default.tpot_ms is None
 
 
 @pytest.mark.parametrize(
@@ -54,11 +56,15 @@ def test_values_convert_to_seconds() -> None:
         (with_("server", port=70000), "server.port"),
         (with_("scrape", interval_ms=0), "scrape.interval_ms"),
         (with_("timeouts", connect_ms=-1), "timeouts.connect_ms"),
-        (with_("policy", name="magic"), "policy.name"),
+        (with_("policy", policy="magic"), "policy.policy"),
+        (with_("policy", name="adaptive"), "policy.name"),
         (with_("policy", profile="tpu"), "policy.profile"),
-        (with_("slo", ttft_ms="fast"), "slo.ttft_ms"),
-        (with_("policy", params={"harm_weight": -1}), "policy: params.harm_weight"),
-        (with_("policy", name="least-loaded", params={"shed": True}), "policy: params.shed"),
+        (with_("policy", slo={"default": {"ttft_ms": "fast"}}), "policy.slo.default.ttft_ms"),
+        (with_("policy", slo={"classes": {"batch": {"tpot_ms": 0}}}), "policy.slo.classes.batch.tpot_ms"),
+        (with_("slo", ttft_ms=100), "slo"),
+        (with_("policy", params={"harm_weight": -1}), "policy.params.harm_weight"),
+        (with_("policy", policy="least-loaded", params={"shed": True}), "policy.params.shed"),
+        (with_("policy", policy="least-loaded", shedding={"enabled": True}), "policy.shedding.enabled"),
         (with_("store", url="http://redis:6379"), "store.url"),
         (with_("store", host="redis"), "store.host"),
         (with_("admin", token="short"), "admin.token"),
@@ -82,20 +88,20 @@ def test_load_settings_reads_toml(tmp_path: Path) -> None:
     path = tmp_path / "specgate.toml"
     path.write_text(
         '[models]\nserved = ["m"]\n[pools.plain]\nurls = ["http://127.0.0.1:9"]\n'
-        '[policy]\nname = "threshold"\nparams = { max_load = 4 }\n'
+        '[policy]\npolicy = "threshold"\nparams = { max_load = 4 }\n'
     )
     s = load_settings(path)
     assert s.policy.policy == "threshold"
     assert s.policy.params == {"max_load": 4}
 
 
-def test_adaptive_shedding_and_exploration_move_to_the_document() -> None:
-    params = {"shed": True, "shed_below_priority": 2, "exploration": 0.1, "harm_weight": 1.0}
-    s = parse_settings(with_("policy", name="adaptive", params=params))
-    assert s.policy.shedding.enabled
-    assert s.policy.shedding.below_priority == 2
+def test_the_policy_table_is_a_policy_document() -> None:
+    table = {"shedding": {"enabled": True, "below_priority": 2}, "exploration": 0.1, "params": {"harm_weight": 1.0}}
+    s = parse_settings(with_("policy", **table))
+    assert s.policy.shedding == Shedding(enabled=True, below_priority=2)
     assert s.policy.exploration == 0.1
     assert s.policy.params == {"harm_weight": 1.0}
+    assert s.policy == parse({"schema_version": 1, **table})
 
 
 def test_store_and_admin_settings() -> None:

@@ -8,8 +8,7 @@ import pytest
 from specgate.calibration.modes import Pool
 from specgate.policies.decision import Decision
 from specgate.policies.document import DocumentError, PolicyDocument, loads, parse
-from specgate.policies.features import RequestFeatures
-from specgate.policies.registry import SloTargets
+from specgate.policies.features import RequestFeatures, SloTargets
 from specgate.workers.pools import FleetSettings, Replica
 from specgate.workers.snapshot import ReplicaState, Snapshot
 
@@ -45,8 +44,8 @@ def test_full_document_parses_and_round_trips() -> None:
     doc = parse(FULL)
     assert doc.policy == "adaptive"
     assert doc.profile == "h100-llama31-8b"
-    assert doc.slo == SloTargets(1000.0, 50.0)
-    assert doc.slo_classes == {"batch": SloTargets(30000.0, None)}
+    assert doc.slo.default == SloTargets(1000.0, 50.0)
+    assert doc.slo.classes == {"batch": SloTargets(30000.0, None)}
     assert doc.shedding.enabled
     assert doc.shedding.below_priority == 1
     assert doc.pools[Pool.PLAIN].drain

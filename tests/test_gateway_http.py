@@ -20,7 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specgate.calibration.modes import Pool
 from specgate.gateway.app import make_app
-from specgate.gateway.config import GatewaySettings, Timeouts, initial_document
+from specgate.gateway.config import GatewaySettings, Timeouts
+from specgate.policies.decision import Shedding
+from specgate.policies.document import PolicyDocument
 from specgate.testing import SimProcess, running_app
 from specgate.workers import launch
 from specgate.workers.pools import FleetSettings
@@ -142,7 +144,7 @@ async def test_forced_pool_is_honoured(gateway: str, pool: Pool) -> None:
 
 
 async def test_policy_can_forbid_pool_override(fleet: dict[Pool, list[SimProcess]]) -> None:
-    policy = initial_document("plain-only", {}, allow_pool_override=False)
+    policy = PolicyDocument(policy="plain-only", allow_pool_override=False)
     async with running_gateway(settings_for(urls(fleet), policy=policy)) as url, client(url) as api:
         raw = await api.chat.completions.with_raw_response.create(
             model=MODEL, messages=MESSAGES, max_tokens=2, extra_headers={"x-route-pool": "speculative"}
@@ -189,7 +191,7 @@ async def test_bad_requests_get_openai_errors(
 async def test_adaptive_sheds_hopeless_low_priority_requests(
     fleet: dict[Pool, list[SimProcess]], priority: str, status: int
 ) -> None:
-    policy = initial_document("adaptive", {"shed": True, "shed_below_priority": 0, "retry_after_s": 3})
+    policy = PolicyDocument(shedding=Shedding(enabled=True, below_priority=0, retry_after_s=3))
     hopeless = {"x-slo-tpot-ms": "1", "x-priority": priority}
     async with (
         running_gateway(settings_for(urls(fleet), policy=policy)) as url,
@@ -308,7 +310,7 @@ async def test_client_abort_drops_the_replicas_running_count(sim_factory: SimFac
 
 async def test_killing_a_replica_fails_no_request_that_had_not_started_streaming(sim_factory: SimFactory) -> None:
     victim, survivor = sim(sim_factory, "plain"), sim(sim_factory, "plain")
-    settings = settings_for({Pool.PLAIN: [victim.url, survivor.url]}, policy=initial_document("round-robin", {}))
+    settings = settings_for({Pool.PLAIN: [victim.url, survivor.url]}, policy=PolicyDocument(policy="round-robin"))
     async with running_gateway(settings) as url, client(url) as api:
 
         async def one(i: int) -> str:

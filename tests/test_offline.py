@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from specgate.bench.offline import Fleetspec, Scenario, attainable, simulate
-from specgate.bench.sweep import parse_policy
+from specgate.bench.offline import Fleetspec, Scenario, attainable, policy_document, simulate
 from specgate.bench.traces import TraceError, TraceRequest, read_trace, scaled
 from specgate.calibration.profiles import A100_CODELLAMA_34B
 from specgate.cli import main
+from specgate.policies.decision import Shedding
+from specgate.policies.document import DocumentError
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 
@@ -120,15 +121,36 @@ def test_bench_offline_refuses_bad_arguments(tmp_path: Path, args: list[str]) ->
 
 
 @pytest.mark.parametrize(
-    ("text", "parsed"),
+    ("text", "policy", "params", "shedding"),
     [
-        ("least-loaded", ("least-loaded", {})),
-        ("threshold:max_load=16", ("threshold", {"max_load": 16})),
+        ("least-loaded", "least-loaded", {}, Shedding()),
+        ("threshold:max_load=16", "threshold", {"max_load": 16}, Shedding()),
         (
-            "adaptive:shed=true;shed_below_priority=-1;harm_weight=0.25",
-            ("adaptive", {"shed": True, "shed_below_priority": -1, "harm_weight": 0.25}),
+            "adaptive:shedding.enabled=true;shedding.below_priority=-1;harm_weight=0.25",
+            "adaptive",
+            {"harm_weight": 0.25},
+            Shedding(enabled=True, below_priority=-1),
         ),
     ],
 )
-def test_policy_parameters_on_the_command_line(text: str, parsed: tuple[str, dict[str, object]]) -> None:
-    assert parse_policy(text) == parsed
+def test_policy_settings_on_the_command_line(
+    text: str, policy: str, params: dict[str, object], shedding: Shedding
+) -> None:
+    document = policy_document(text, "whitepaper")
+    assert (document.policy, dict(document.params), document.shedding, document.profile) == (
+        policy,
+        params,
+        shedding,
+        "whitepaper",
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [("magic", "policy"), ("threshold:max_load=-1", "params.max_load"), ("adaptive:shed=true", "params.shed"),
+     ("least-loaded:shedding.enabled=true", "shedding.enabled"), ("adaptive:exploration=0.9", "exploration")],
+)  # fmt: skip
+def test_policy_settings_are_checked_like_a_document(text: str, field: str) -> None:
+    with pytest.raises(DocumentError) as exc:
+        policy_document(text, "whitepaper")
+    assert exc.value.field == field

@@ -21,8 +21,9 @@ from aiohttp import web
 
 from specgate.calibration.modes import Pool
 from specgate.gateway.app import make_app
-from specgate.gateway.config import GatewaySettings, initial_document
+from specgate.gateway.config import GatewaySettings
 from specgate.gateway.state import FLEET
+from specgate.policies.document import PolicyDocument
 from specgate.testing import VLLM_MODEL, cpu_pools, free_port, running_app, sample_value, setup_vllm
 from specgate.workers import launch
 from specgate.workers.pools import FleetSettings
@@ -95,7 +96,7 @@ async def gateway(pools: RealPools, policy: str = "adaptive") -> AsyncIterator[t
         models=(MODEL,),
         pools=pools.urls(),
         port=0,
-        policy=initial_document(policy, {}),
+        policy=PolicyDocument(policy=policy),
         fleet=FleetSettings(scrape_interval_s=0.1),
     )
     app = make_app(settings)

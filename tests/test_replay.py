@@ -42,7 +42,7 @@ async def test_replay_through_the_gateway_agrees_with_the_offline_simulator(
     config = tmp_path / "specgate.toml"
     config.write_text(
         f'[models]\nserved = ["m"]\n[pools.speculative]\nurls = ["{spec.url}"]\n'
-        f'[pools.plain]\nurls = ["{plain.url}"]\n[policy]\nname = "{policy}"\n'
+        f'[pools.plain]\nurls = ["{plain.url}"]\n[policy]\npolicy = "{policy}"\n'
         f"[scrape]\ninterval_ms = {250 / TIME_SCALE:g}\n"
     )
     log = tmp_path / "gateway.log"

@@ -1,15 +1,20 @@
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from specgate.calibration.modes import Pool
 from specgate.gateway.errors import BadHeader
-from specgate.gateway.sla import parse_routing_headers
-from specgate.policies.registry import SloTargets
+from specgate.gateway.sla import RoutingHeaders, parse_routing_headers
+from specgate.policies.features import SloTargets
 
 CLASSES = {"batch": SloTargets(ttft_ms=30000.0, tpot_ms=None)}
 
 
 def DEFAULTS(request_class: str) -> SloTargets:
     return CLASSES.get(request_class, SloTargets(ttft_ms=800.0, tpot_ms=60.0))
+
+
+def parse(headers: dict[str, str] | list[tuple[str, str]]) -> RoutingHeaders:
+    return parse_routing_headers(CIMultiDictProxy(CIMultiDict(headers)), DEFAULTS)
 
 
 @pytest.mark.parametrize(
@@ -32,10 +37,11 @@ def DEFAULTS(request_class: str) -> SloTargets:
         ({"x-request-class": "batch"}, "slo_tpot_ms", None),
         ({"x-request-class": "batch", "x-slo-tpot-ms": "90"}, "slo_tpot_ms", 90.0),
         ({"x-request-class": "chat"}, "slo_ttft_ms", 800.0),
+        ({"x-request-class": ""}, "request_class", ""),
     ],
 )
 def test_valid_headers(headers: dict[str, str], field: str, expected: object) -> None:
-    assert getattr(parse_routing_headers(headers, DEFAULTS), field) == expected
+    assert getattr(parse(headers), field) == expected
 
 
 @pytest.mark.parametrize(
@@ -63,14 +69,23 @@ def test_valid_headers(headers: dict[str, str], field: str, expected: object) ->
 )
 def test_bad_header_names_itself(name: str, value: str) -> None:
     with pytest.raises(BadHeader) as exc:
-        parse_routing_headers({name: value}, DEFAULTS)
+        parse({name: value})
     assert exc.value.param == name
     assert exc.value.status == 400
     assert name in exc.value.message
 
 
 def test_request_id_is_generated_when_absent() -> None:
-    a = parse_routing_headers({}, DEFAULTS).request_id
-    b = parse_routing_headers({}, DEFAULTS).request_id
+    a = parse({}).request_id
+    b = parse({}).request_id
     assert a != b
     assert len(a) == 32
+
+
+@pytest.mark.parametrize("name", ["x-slo-ttft-ms", "X-Priority", "x-route-pool", "x-request-id"])
+def test_a_repeated_header_is_refused_not_resolved(name: str) -> None:
+    value = {"x-route-pool": "plain", "x-request-id": "abc"}.get(name.lower(), "100")
+    with pytest.raises(BadHeader) as exc:
+        parse([(name, value), (name.upper(), value)])
+    assert exc.value.param == name.lower()
+    assert "once" in exc.value.message

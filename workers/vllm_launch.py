@@ -38,14 +38,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import aiohttp
+import msgspec
+from msgspec import Meta
 
 from specgate.calibration.modes import Pool
+from specgate.validation import Invalid, NonEmpty, convert
 from specgate.workers import launch
 
-SPEC_METHODS = ("draft_model", "ngram", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+SpecMethod = Literal["draft_model", "ngram", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix"]
 NEEDS_MODEL = frozenset({"draft_model", "eagle", "eagle3", "medusa", "mlp_speculator"})
 
 RETIRED_FLAGS: Mapping[str, str] = {
@@ -62,36 +65,66 @@ RETIRED_FLAGS: Mapping[str, str] = {
 }
 
 
-class LaunchConfigError(ValueError):
-    """A [launch] setting that cannot be used; the message starts with the key."""
+class LaunchConfigError(Invalid):
+    """A [launch] setting that cannot be used; `field` names the key and the message starts with it."""
 
 
 def check_args(key: str, args: Sequence[str]) -> tuple[str, ...]:
     """Refuse flags vLLM removed or never had, whichever way they are spelled."""
     for arg in args:
-        if not isinstance(arg, str):
-            raise LaunchConfigError(f"{key}: expected strings, got {arg!r}")
         flag = arg.split("=", 1)[0].replace("_", "-")
         if flag in RETIRED_FLAGS:
-            raise LaunchConfigError(f"{key}: {flag}: {RETIRED_FLAGS[flag]}")
+            raise LaunchConfigError(key, f"{flag}: {RETIRED_FLAGS[flag]}")
     return tuple(args)
 
 
+class _Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A table of the [launch] section: every key known, every value checked."""
+
+
+class _SpeculativeConfig(msgspec.Struct, frozen=True):
+    """The fields of vLLM's --speculative-config that specgate checks; the rest pass through as given."""
+
+    method: SpecMethod
+    num_speculative_tokens: Annotated[int, Meta(ge=1, le=64)]
+    model: NonEmpty | None = None
+    prompt_lookup_min: Annotated[int, Meta(ge=1)] = 1
+    prompt_lookup_max: Annotated[int, Meta(ge=1)] = 1
+
+
+class _Server(_Table, frozen=True):
+    port: Annotated[int, Meta(ge=1, le=65535)]
+    args: list[str] = msgspec.field(default_factory=list)
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    speculative_config: dict[str, Any] | None = None
+    model: NonEmpty | None = None
+    host: NonEmpty | None = None
+
+
+class _Launch(_Table, frozen=True):
+    model: NonEmpty
+    python: NonEmpty = "python3"
+    served_model_name: NonEmpty | None = None
+    host: NonEmpty = "127.0.0.1"
+    args: list[str] = msgspec.field(default_factory=list)
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    log_dir: NonEmpty = "logs/vllm"
+    ready_timeout_s: Annotated[float, Meta(gt=0)] = 900.0
+    speculative: list[_Server] = msgspec.field(default_factory=list)
+    plain: list[_Server] = msgspec.field(default_factory=list)
+
+
 def check_speculative_config(key: str, config: Any) -> dict[str, Any]:
-    if not isinstance(config, dict):
-        raise LaunchConfigError(f"{key}: expected a table with method and num_speculative_tokens")
-    method = config.get("method")
-    if method not in SPEC_METHODS:
-        raise LaunchConfigError(f"{key}.method: expected one of {', '.join(SPEC_METHODS)}, got {method!r}")
-    k = config.get("num_speculative_tokens")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
-        raise LaunchConfigError(f"{key}.num_speculative_tokens: expected an integer from 1 to 64, got {k!r}")
-    if method in NEEDS_MODEL and not isinstance(config.get("model"), str):
-        raise LaunchConfigError(f"{key}.model: method {method} needs the draft (or head) model")
-    if method == "ngram":
-        low, high = config.get("prompt_lookup_min", 1), config.get("prompt_lookup_max", 1)
-        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
-            raise LaunchConfigError(f"{key}: expected 1 <= prompt_lookup_min <= prompt_lookup_max, got {low}, {high}")
+    if config is None:
+        raise LaunchConfigError(key, "missing: a speculative server needs method and num_speculative_tokens")
+    checked = convert(config, _SpeculativeConfig, root=key, prefix=key)
+    if checked.method in NEEDS_MODEL and checked.model is None:
+        raise LaunchConfigError(f"{key}.model", f"method {checked.method} needs the draft (or head) model")
+    if checked.method == "ngram" and checked.prompt_lookup_min > checked.prompt_lookup_max:
+        raise LaunchConfigError(
+            key, f"expected prompt_lookup_min <= prompt_lookup_max, got {checked.prompt_lookup_min}, "
+            f"{checked.prompt_lookup_max}"
+        )  # fmt: skip
     return dict(config)
 
 
@@ -149,28 +182,6 @@ class LaunchPlan:
         return "\n".join(lines) + "\n"
 
 
-_COMMON = {"python", "model", "served_model_name", "host", "args", "env", "log_dir", "ready_timeout_s"}
-_SERVER = {"port", "args", "env", "speculative_config", "model", "host"}
-
-
-def _str(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise LaunchConfigError(f"{key}: expected a non-empty string, got {value!r}")
-    return value
-
-
-def _env(key: str, value: Any) -> dict[str, str]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise LaunchConfigError(f"{key}: expected a table of strings")
-    return dict(value)
-
-
-def _list(key: str, value: Any) -> list[Any]:
-    if not isinstance(value, list):
-        raise LaunchConfigError(f"{key}: expected a list")
-    return value
-
-
 def _path_or_id(model: str, base: Path) -> str:
     """A local folder (absolute, ./ ../ ~, or existing beside the config) as an absolute path;
     anything else is a model id the server resolves, kept as given."""
@@ -184,63 +195,49 @@ def _path_or_id(model: str, base: Path) -> str:
 
 def parse_launch(table: Any, base: Path = Path()) -> LaunchPlan:
     """The servers a config's [launch] section describes; relative paths are from `base`."""
-    if not isinstance(table, dict):
-        raise LaunchConfigError("launch: expected a table")
-    for key in table:
-        if key not in _COMMON | {p.value for p in Pool}:
-            raise LaunchConfigError(f"launch.{key}: unknown key")
-    python = os.path.expanduser(_str("launch.python", table.get("python", "python3")))
-    model = _path_or_id(_str("launch.model", table.get("model")), base)
-    served = table.get("served_model_name")
-    if served is not None:
-        _str("launch.served_model_name", served)
-    host = _str("launch.host", table.get("host", "127.0.0.1"))
-    common_args = check_args("launch.args", _list("launch.args", table.get("args", [])))
-    common_env = _env("launch.env", table.get("env", {}))
-    timeout = table.get("ready_timeout_s", 900)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise LaunchConfigError(f"launch.ready_timeout_s: expected a positive number, got {timeout!r}")
-    log_dir = Path(os.path.expanduser(_str("launch.log_dir", table.get("log_dir", "logs/vllm"))))
+    try:
+        return _plan(convert(table, _Launch, root="launch", prefix="launch"), base)
+    except Invalid as exc:
+        raise LaunchConfigError(exc.field, exc.message) from None
+
+
+def _plan(launch_table: _Launch, base: Path) -> LaunchPlan:
+    model = _path_or_id(launch_table.model, base)
+    common_args = check_args("launch.args", launch_table.args)
     servers: list[ServerSpec] = []
     ports: set[tuple[str, int]] = set()
     for pool in Pool:
-        entries = _list(f"launch.{pool.value}", table.get(pool.value, []))
+        entries = launch_table.speculative if pool is Pool.SPECULATIVE else launch_table.plain
         for i, entry in enumerate(entries):
             key = f"launch.{pool.value}[{i}]"
-            if not isinstance(entry, dict):
-                raise LaunchConfigError(f"{key}: expected a table")
-            for k in entry:
-                if k not in _SERVER:
-                    raise LaunchConfigError(f"{key}.{k}: unknown key; known: {', '.join(sorted(_SERVER))}")
-            port = entry.get("port")
-            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-                raise LaunchConfigError(f"{key}.port: expected a port number, got {port!r}")
-            server_host = _str(f"{key}.host", entry.get("host", host))
-            if (server_host, port) in ports:
-                raise LaunchConfigError(f"{key}.port: {port} is already used by another server")
-            ports.add((server_host, port))
-            spec_config = entry.get("speculative_config")
+            host = entry.host or launch_table.host
+            if (host, entry.port) in ports:
+                raise LaunchConfigError(f"{key}.port", f"{entry.port} is already used by another server")
+            ports.add((host, entry.port))
+            spec_config = entry.speculative_config
             if pool is Pool.SPECULATIVE:
                 spec_config = check_speculative_config(f"{key}.speculative_config", spec_config)
             elif spec_config is not None:
-                raise LaunchConfigError(f"{key}.speculative_config: a plain server does not speculate")
+                raise LaunchConfigError(f"{key}.speculative_config", "a plain server does not speculate")
             servers.append(
                 ServerSpec(
                     pool=pool,
                     index=i,
-                    python=python,
-                    model=_path_or_id(_str(f"{key}.model", entry["model"]), base) if "model" in entry else model,
-                    host=server_host,
-                    port=port,
-                    served_model_name=served,
-                    args=common_args + check_args(f"{key}.args", _list(f"{key}.args", entry.get("args", []))),
+                    python=os.path.expanduser(launch_table.python),
+                    model=_path_or_id(entry.model, base) if entry.model is not None else model,
+                    host=host,
+                    port=entry.port,
+                    served_model_name=launch_table.served_model_name,
+                    args=common_args + check_args(f"{key}.args", entry.args),
                     speculative_config=spec_config,
-                    env={**common_env, **_env(f"{key}.env", entry.get("env", {}))},
+                    env={**launch_table.env, **entry.env},
                 )
             )
     if not servers:
-        raise LaunchConfigError("launch: describe at least one server in [[launch.speculative]] or [[launch.plain]]")
-    return LaunchPlan(tuple(servers), base / log_dir, float(timeout), served, model)
+        raise LaunchConfigError("launch", "describe at least one server in [[launch.speculative]] or [[launch.plain]]")
+    log_dir = Path(os.path.expanduser(launch_table.log_dir))
+    timeout, served = launch_table.ready_timeout_s, launch_table.served_model_name
+    return LaunchPlan(tuple(servers), base / log_dir, timeout, served, model)
 
 
 # --- running them ---------------------------------------------------------------------------------
