@@ -42,9 +42,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
     metrics = GatewayMetrics(fleet, with_store=settings.store.url is not None)
-    relay = Relay(settings, fleet, session, metrics, settings.policy.compile("0"))
     store = PolicyStore.connect(settings.store.url, settings.store.prefix) if settings.store.url else None
-    control = PolicyControl(relay, metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s)
+    control = PolicyControl(metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s)
+    relay = Relay(settings, fleet, session, metrics, control)
     app[SESSION], app[FLEET], app[METRICS], app[RELAY], app[POLICY] = session, fleet, metrics, relay, control
     # One round of scrapes before serving, so a gateway in front of live replicas is ready at once.
     await asyncio.gather(*(fleet.scrape_once(session, r) for r in fleet.replicas.values()))

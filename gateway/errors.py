@@ -31,10 +31,13 @@ class GatewayError(Exception):
     type: ClassVar[str] = "server_error"
     code: ClassVar[str | None] = None
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, reason: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.reason = reason or self.code or self.type
+        """Short and machine-readable, for metrics and the access log: the error's code, or why
+        the routing decision refused the request."""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -71,8 +74,8 @@ class Overloaded(GatewayError):
     type = "rate_limit_error"
     code = "slo_unattainable"
 
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, retry_after_s: float, reason: str | None = None) -> None:
+        super().__init__(message, reason=reason)
         self.retry_after_s = retry_after_s
 
 

@@ -8,8 +8,8 @@ Redis cannot be reached the gateway keeps serving the document it has (at start:
 of the last good one, else the configured one) and retries with backoff. A document that fails
 validation is never applied; the one in force stays.
 
-Applying is one assignment of a compiled plan to the relay: a request in flight keeps the plan
-it started with.
+Applying compiles the document once and swaps the plan in with one assignment (`plan`, which the
+relay reads once per request): a request in flight keeps the plan it started with.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import orjson
 import redis.exceptions
 
 from specgate.gateway.metrics import GatewayMetrics
-from specgate.gateway.relay import Relay
 from specgate.gateway.store import PolicyStore, StoredPolicy, VersionConflict
 from specgate.policies.document import DocumentError, PolicyDocument
 from specgate.policies.document import parse as parse_document
+from specgate.policies.registry import RoutingPlan
 
 _log = logging.getLogger(__name__)
 
@@ -55,16 +55,17 @@ class Applied:
 
 
 class PolicyControl:
+    plan: RoutingPlan
+    """The plan in force, compiled once from the current document."""
+
     def __init__(
         self,
-        relay: Relay,
         metrics: GatewayMetrics,
         initial: PolicyDocument,
         store: PolicyStore | None = None,
         cache: Path | None = None,
         refresh_s: float = 1.0,
     ) -> None:
-        self.relay = relay
         self.metrics = metrics
         self.store = store
         self.cache = cache
@@ -78,7 +79,7 @@ class PolicyControl:
     # --- applying ------------------------------------------------------------------------------
 
     def _install(self, applied: Applied) -> None:
-        self.relay.plan = applied.document.compile(str(applied.version))
+        self.plan = applied.document.compile(str(applied.version))
         self.current = applied
         self._held = (applied.version, applied.document.dumps().decode())
         self.metrics.policy_version.set(applied.version)

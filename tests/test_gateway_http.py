@@ -27,8 +27,6 @@ from specgate.testing import SimProcess, running_app
 from specgate.workers import launch
 from specgate.workers.pools import FleetSettings
 
-pytestmark = pytest.mark.slow
-
 SimFactory = Callable[..., SimProcess]
 MODEL = "sim-model"
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Route me well."}]

@@ -22,8 +22,6 @@ from specgate.policies.document import PolicyDocument, parse
 from specgate.testing import RedisServer, SimProcess, running_app, sample_value
 from specgate.workers.pools import FleetSettings
 
-pytestmark = pytest.mark.slow
-
 MODEL = "sim-model"
 TOKEN = "admin-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

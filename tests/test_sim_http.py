@@ -16,8 +16,6 @@ from openai.types.chat import ChatCompletionMessageParam
 from specgate.testing import SimProcess
 from specgate.workers.acceptance import SpecCounters, acceptance
 
-pytestmark = pytest.mark.slow
-
 SimFactory = Callable[..., SimProcess]
 MODEL = "sim-model"
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about speculative decoding."}]

@@ -1,0 +1,286 @@
+"""One attempt: one request sent to one replica, and its answer relayed to the client.
+
+An attempt that fails before any byte reached the client raises `RetryElsewhere`, and the relay
+decides whether another replica gets the request. Health is judged here, on the replica's own
+socket only: a client that leaves mid-answer closes the upstream request (vLLM aborts it and
+frees its KV cache) and is never counted against the replica.
+
+A stream is relayed event by event as it arrives: bytes are passed on up to the last complete
+SSE event, and an unfinished event waits for its end, so that if the replica fails mid-event the
+client gets a well-formed error event rather than one glued to half an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from specgate.gateway.config import Timeouts
+from specgate.gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable
+from specgate.gateway.journey import HOP_BY_HOP, Journey
+from specgate.gateway.sla import REQUEST_ID
+from specgate.policies.decision import Decision
+from specgate.protocol.tokens import completion_tokens
+from specgate.workers.pools import Replica
+
+MID_STREAM_ERROR = (
+    b'data: {"error": {"message": "the replica failed mid-stream", "type": "server_error", '
+    b'"param": null, "code": "upstream_failed"}}\n\n'
+)
+MAX_HELD_BYTES = 1 << 20
+"""An SSE event longer than this is passed on unfinished: the stream is not SSE after all."""
+CLIENT_GONE = 499
+"""The status recorded for a request whose client left before its answer ended (nginx's code)."""
+_CLIENT_WRITE_ERRORS = (ConnectionError, RuntimeError)
+"""What writing to a client that left raises (aiohttp: ClientConnectionResetError, a
+ConnectionResetError; RuntimeError on a closed transport)."""
+
+
+class RetryElsewhere(Exception):
+    """The attempt failed before any byte reached the client: another replica may serve it."""
+
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass
+class Outcome:
+    """What one attempt learned, for the feedback after the response is done."""
+
+    status: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    streamed: bool = False
+    completion_tokens: int | None = None
+
+
+class Attempt:
+    def __init__(
+        self,
+        journey: Journey,
+        replica: Replica,
+        decision: Decision,
+        session: aiohttp.ClientSession,
+        timeouts: Timeouts,
+        *,
+        last: bool,
+    ) -> None:
+        self.journey = journey
+        self.replica = replica
+        self.decision = decision
+        self.session = session
+        self.timeouts = timeouts
+        self.last = last
+        """No other replica will be tried: a 5xx goes to the client as it is."""
+        self.outcome = Outcome()
+        self.started = 0.0
+        self._got_first_byte = False
+
+    async def run(self) -> web.StreamResponse:
+        """The client's response; `RetryElsewhere` when another replica may serve it instead."""
+        replica, prompt = self.replica, self.journey.features.prompt_tokens
+        self.started = time.monotonic()
+        replica.dispatched_one(prompt, self.started)
+        watchdog = Watchdog(self.timeouts.first_byte_s, self.timeouts.idle_s)
+        try:
+            upstream = await self._send(watchdog)
+            self._got_first_byte = True
+            watchdog.started()
+            replica.first_byte(prompt)
+            try:
+                if upstream.status >= 500 and not self.last:
+                    replica.failed(f"answered {upstream.status}")
+                    raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} answered {upstream.status}"))
+                self.outcome.status = upstream.status
+                if upstream.content_type == "text/event-stream":
+                    response = await self._stream(upstream, watchdog)
+                else:
+                    response = await self._whole(upstream, watchdog)
+            except BaseException:
+                upstream.close()
+                raise
+            upstream.release()
+            if upstream.status >= 500:
+                replica.failed(f"answered {upstream.status}")
+            elif self.outcome.status < 500:
+                replica.succeeded()
+            return response
+        except asyncio.CancelledError:
+            self.outcome.status = CLIENT_GONE  # the client left: its handler is cancelled
+            raise
+        finally:
+            watchdog.stop()
+            replica.finished(got_first_byte=self._got_first_byte, prompt_tokens=prompt)
+
+    async def _send(self, watchdog: Watchdog) -> aiohttp.ClientResponse:
+        replica, journey = self.replica, self.journey
+        try:
+            return await self.session.post(
+                f"{replica.url}{journey.endpoint.value}", data=journey.raw, headers=journey.upstream_headers
+            )
+        except asyncio.CancelledError:
+            if not watchdog.absorb():
+                raise
+            replica.failed("no first byte in time")
+            raise UpstreamTimeout(
+                f"replica {replica.name} sent nothing within {self.timeouts.first_byte_s:g} s"
+            ) from None
+        except aiohttp.ClientConnectorError as exc:
+            replica.failed(f"connect failed: {exc}", eject=True)
+            raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} could not be reached")) from None
+        except aiohttp.ClientError as exc:
+            replica.failed(f"request failed: {exc!r}")
+            raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} failed before answering")) from None
+
+    def _route_headers(self) -> dict[str, str]:
+        decision, replica, journey = self.decision, self.replica, self.journey
+        route = {
+            "x-route-pool": replica.pool.value,
+            "x-route-replica": replica.name,
+            "x-route-reason": decision.reason,
+            "x-policy-version": journey.plan.version,
+            REQUEST_ID: journey.headers.request_id,
+        }
+        if decision.predicted_ttft_ms is not None:
+            route["x-predicted-ttft-ms"] = f"{decision.predicted_ttft_ms:.1f}"
+        if decision.predicted_tpot_ms is not None:
+            route["x-predicted-tpot-ms"] = f"{decision.predicted_tpot_ms:.1f}"
+        return route
+
+    def _response_headers(self, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+        route = self._route_headers()
+        out: CIMultiDict[str] = CIMultiDict()
+        for name, value in upstream.headers.items():
+            lower = name.lower()
+            if lower in HOP_BY_HOP or lower in route or lower in ("date", "server"):
+                continue
+            out.add(name, value)
+        out.update(route)
+        return out
+
+    async def _whole(self, upstream: aiohttp.ClientResponse, watchdog: Watchdog) -> web.Response:
+        try:
+            body = await upstream.read()
+        except asyncio.CancelledError:
+            if not watchdog.absorb():
+                raise
+            self.replica.failed("response body stalled")
+            raise UpstreamTimeout(f"replica {self.replica.name} stopped sending its answer") from None
+        except aiohttp.ClientError as exc:
+            self.replica.failed(f"answer broke: {exc!r}")
+            error = UpstreamUnavailable(f"replica {self.replica.name} failed while answering")
+            raise (error if self.last else RetryElsewhere(error)) from None
+        # The client sees nothing before the whole answer: its first byte is the end.
+        self.outcome.ttft_s = time.monotonic() - self.started
+        self.outcome.completion_tokens = completion_tokens(body)
+        return web.Response(status=upstream.status, body=body, headers=self._response_headers(upstream))
+
+    async def _stream(self, upstream: aiohttp.ClientResponse, watchdog: Watchdog) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status, headers=self._response_headers(upstream))
+        await response.prepare(self.journey.request)
+        self.outcome.streamed = True
+        first_at = 0.0
+        events = 0
+        held = previous = last = b""
+        content = upstream.content
+        try:
+            while True:
+                try:
+                    chunk = await content.readany()
+                except asyncio.CancelledError:
+                    if not watchdog.absorb():
+                        raise
+                    self.replica.failed(f"stream silent for {self.timeouts.idle_s:g} s")
+                    self.outcome.status = 504
+                    await response.write(MID_STREAM_ERROR)
+                    break
+                except aiohttp.ClientError as exc:
+                    self.replica.failed(f"stream broke: {exc!r}")
+                    self.outcome.status = 502
+                    await response.write(MID_STREAM_ERROR)
+                    break
+                if not chunk:
+                    if held:
+                        await response.write(held)
+                    break
+                watchdog.last = time.monotonic()
+                if not first_at:
+                    first_at = watchdog.last
+                events += chunk.count(b"data: ")
+                previous, last = last, chunk
+                ready, held = _complete_events(held + chunk)
+                if ready:
+                    await response.write(ready)
+            await response.write_eof()
+        except _CLIENT_WRITE_ERRORS:
+            # The client left mid-answer: not the replica's fault. Closing the upstream request
+            # makes vLLM abort it.
+            self.outcome.status = CLIENT_GONE
+            upstream.close()
+        if first_at:
+            self.outcome.ttft_s = first_at - self.started
+            self.outcome.completion_tokens = completion_tokens(previous + last)
+            tokens = self.outcome.completion_tokens or max(events - 2, 0)
+            if tokens > 1:
+                self.outcome.tpot_s = (watchdog.last - first_at) / (tokens - 1)
+        return response
+
+
+def _complete_events(data: bytes) -> tuple[bytes, bytes]:
+    """`data` split after its last complete SSE event: (what can go out, what must wait)."""
+    end = max(data.rfind(b"\n\n") + 2, data.rfind(b"\r\n\r\n") + 4, 0)
+    if end == 0 and len(data) > MAX_HELD_BYTES:
+        return data, b""
+    return data[:end], data[end:]
+
+
+class Watchdog:
+    """Cancels an attempt whose upstream stays silent: first `first_byte_s` until the response
+    starts, then `idle_s` between two chunks.
+
+    One timer per attempt, re-armed only when it fires, instead of a timeout armed around every
+    read: the relay loop just records when the last chunk came.
+    """
+
+    def __init__(self, first_byte_s: float, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.last = time.monotonic()
+        self._fired = False
+        self._task = asyncio.current_task()
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(first_byte_s, self._fire)
+
+    def started(self) -> None:
+        """The response began: from now on, watch for silence between chunks."""
+        self._timer.cancel()
+        self.last = time.monotonic()
+        self._timer = self._loop.call_later(self.idle_s, self._check)
+
+    def _check(self) -> None:
+        silent = time.monotonic() - self.last
+        if silent < self.idle_s:
+            self._timer = self._loop.call_later(self.idle_s - silent, self._check)
+        else:
+            self._fire()
+
+    def _fire(self) -> None:
+        if self._task is not None:
+            self._fired = True
+            self._task.cancel()
+
+    def absorb(self) -> bool:
+        """After a CancelledError: True when the watchdog caused it (the task then goes on)."""
+        if not self._fired or self._task is None:
+            return False
+        self._fired = False
+        self._task.uncancel()
+        return True
+
+    def stop(self) -> None:
+        self._timer.cancel()

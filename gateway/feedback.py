@@ -1,0 +1,72 @@
+"""What the gateway learns from each answered request, fed through one place.
+
+After every request: the request counter by pool, reason and status (the gateway's own refusals
+and errors included), the access log line when it is on, and, from a successful answer, the
+output length for its group, the replica's observed TTFT and TPOT with the corrections of the
+latency model, the latency histograms, the prediction error and the SLO outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from specgate.gateway.attempt import Attempt
+from specgate.gateway.errors import GatewayError
+from specgate.gateway.journey import Journey
+from specgate.gateway.metrics import GatewayMetrics
+from specgate.policies.length import LengthStats
+
+ACCESS_LOG = logging.getLogger("specgate.access")
+
+
+class Feedback:
+    def __init__(self, metrics: GatewayMetrics, lengths: LengthStats, *, access_log: bool) -> None:
+        self.metrics = metrics
+        self.lengths = lengths
+        self.access_log = access_log
+
+    def answered(self, journey: Journey, attempt: Attempt) -> None:
+        """A replica's answer reached the client (or the client left while it was coming)."""
+        outcome, replica, decision = attempt.outcome, attempt.replica, attempt.decision
+        pool = replica.pool.value
+        self.metrics.requests.labels(pool, decision.reason, str(outcome.status)).inc()
+        self._log(journey, outcome.status, pool, replica.name, decision.reason, outcome.ttft_s)
+        if outcome.status >= 400:
+            return
+        features, headers = journey.features, journey.headers
+        if outcome.completion_tokens is not None:
+            self.lengths.observe(
+                features.model, features.prompt_tokens, outcome.completion_tokens, headers.request_class
+            )
+        if outcome.streamed:
+            replica.observe(outcome.ttft_s, outcome.tpot_s, *decision.predicted_s)
+            if outcome.ttft_s is not None:
+                self.metrics.ttft.labels(pool).observe(outcome.ttft_s)
+                if decision.predicted_ttft_ms is not None:
+                    self.metrics.ttft_error.labels(pool).observe(decision.predicted_ttft_ms / 1e3 - outcome.ttft_s)
+            if outcome.tpot_s is not None:
+                self.metrics.tpot.labels(pool).observe(outcome.tpot_s)
+        if headers.slo_ttft_ms is not None and outcome.ttft_s is not None:
+            met = outcome.ttft_s * 1e3 <= headers.slo_ttft_ms
+            self.metrics.slo.labels("ttft", "met" if met else "missed").inc()
+        if headers.slo_tpot_ms is not None and outcome.tpot_s is not None:
+            met = outcome.tpot_s * 1e3 <= headers.slo_tpot_ms
+            self.metrics.slo.labels("tpot", "met" if met else "missed").inc()
+
+    def refused(self, journey: Journey | None, error: GatewayError) -> None:
+        """The gateway answered with an error of its own (nothing of a replica reached the client)."""
+        self.metrics.requests.labels("none", error.reason, str(error.status)).inc()
+        if journey is not None:
+            self._log(journey, error.status, "none", "-", error.reason, None)
+
+    def _log(self, journey: Journey, status: int, pool: str, replica: str, reason: str, ttft_s: float | None) -> None:
+        if not self.access_log:
+            return
+        ttft = f"{ttft_s * 1e3:.1f}" if ttft_s is not None else "-"
+        ACCESS_LOG.info(
+            "%s %s %d request_id=%s class=%s pool=%s replica=%s reason=%s attempts=%d ttft_ms=%s duration_ms=%.1f",
+            journey.request.method, journey.request.path, status, journey.headers.request_id,
+            journey.request_class or "-", pool, replica, reason, len(journey.tried), ttft,
+            (time.monotonic() - journey.arrived) * 1e3,
+        )  # fmt: skip
