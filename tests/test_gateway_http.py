@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -395,7 +396,7 @@ async def test_sigterm_lets_streams_in_flight_finish(fleet: dict[Pool, list[SimP
         "[server]\nshutdown_grace_s = 20\n"
     )
     log = tmp_path / "gateway.log"
-    proc = launch.spawn([*launch.sim_argv()[:3], "serve", "--config", str(config), "--port", "0"], log)
+    proc = launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0"), log)
     try:
         url = await launch.wait_ready(proc, log)
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -492,3 +493,128 @@ async def test_forwarded_headers(forward: bool) -> None:
     assert "te" not in headers
     assert ("authorization" in headers) is forward
     assert seen["body"].encode() == ODD_BUT_VALID  # the body went out byte for byte
+
+
+def scripted_replica(answer: Callable[[web.Request], Any]) -> web.Application:
+    """A replica whose scrape always succeeds and whose completions `answer` scripts."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/chat/completions", answer)
+    return app
+
+
+async def test_a_replica_dying_mid_event_leaves_a_well_formed_error_event() -> None:
+    async def half_an_event(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m", ')
+        await asyncio.sleep(0.05)
+        await response.write(b'"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\ndata: {"id": "x", "obj')
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()  # dies mid-event
+        return response
+
+    async with (
+        running_app(scripted_replica(half_an_event)) as replica,
+        running_gateway(settings_for({Pool.PLAIN: [replica]})) as url,
+    ):
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"{url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "stream": True}
+            ) as r,
+        ):
+            text = await r.content.read()
+        events = [e for e in text.split(b"\n\n") if e]
+        assert [json.loads(e.removeprefix(b"data: ")) for e in events][-1]["error"]["code"] == "upstream_failed"
+        assert len(events) == 2  # the whole event, then the error: the unfinished one never went out
+        stream = await client(url).chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+        with pytest.raises(openai.APIError, match="mid-stream"):  # a typed error, not a JSON one
+            async for _ in stream:
+                pass
+
+
+async def test_clients_that_abort_streams_never_eject_a_healthy_replica(sim_factory: SimFactory) -> None:
+    replica = sim(sim_factory, "plain")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    settings = settings_for({Pool.PLAIN: [replica.url]}, fleet=FleetSettings(scrape_interval_s=0.05, eject_after=1))
+    async with running_gateway(settings) as url:
+
+        async def abort() -> None:
+            async with aiohttp.ClientSession() as session:
+                response = await session.post(f"{url}/v1/chat/completions", json=body)
+                await response.content.readline()
+                response.close()  # leaves mid-stream
+
+        await asyncio.gather(*(abort() for _ in range(40)))
+        assert await gateway_samples(url, "specgate_replica_up") == {"plain-0": 1.0}
+        async with client(url) as api:  # a bystander is served
+            reply = await api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+        assert reply.choices[0].message.content
+        statuses = await gateway_status_counts(url)
+    assert statuses.get("499", 0) >= 1
+
+
+async def gateway_status_counts(url: str) -> dict[str, float]:
+    """specgate_requests_total summed by status."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "specgate_requests_total":
+                counts[s.labels["status"]] = counts.get(s.labels["status"], 0.0) + s.value
+    return counts
+
+
+async def test_the_gateways_own_errors_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    async def fail(_: web.Request) -> web.Response:
+        raise AssertionError("a refused request must not reach a replica")
+
+    async with running_app(scripted_replica(fail)) as replica:
+        settings = settings_for({Pool.PLAIN: [replica]}, access_log=True)
+        async with running_gateway(settings) as url, aiohttp.ClientSession() as session:
+            chat = f"{url}/v1/chat/completions"
+            with caplog.at_level(logging.INFO, logger="specgate.access"):
+                async with session.post(chat, json={"model": MODEL, "messages": MESSAGES},
+                                        headers={"x-slo-ttft-ms": "soon", "x-request-id": "bad-1"}) as r:  # fmt: skip
+                    assert r.status == 400
+                async with session.post(chat, json={"model": "other", "messages": MESSAGES}) as r:
+                    assert r.status == 404
+                async with session.post(chat, data=b"{", headers={"x-request-id": "bad-2"}) as r:
+                    assert r.status == 400
+            statuses = await gateway_status_counts(url)
+    assert statuses == {"400": 2.0, "404": 1.0}
+    lines = [r.getMessage() for r in caplog.records if r.name == "specgate.access"]
+    assert lines == []  # refused before a journey began: counted, but nothing to log about a route
+
+
+async def test_the_access_log_has_a_line_per_routed_request(caplog: pytest.LogCaptureFixture) -> None:
+    async def answer(_: web.Request) -> web.Response:
+        return web.json_response({"choices": [], "usage": {"completion_tokens": 4}})
+
+    async with running_app(scripted_replica(answer)) as replica:
+        settings = settings_for({Pool.PLAIN: [replica]}, access_log=True)
+        async with running_gateway(settings) as url, aiohttp.ClientSession() as session:
+            with caplog.at_level(logging.INFO, logger="specgate.access"):
+                body = {"model": MODEL, "messages": MESSAGES}
+                headers = {"x-request-id": "req-7", "x-request-class": "chat"}
+                async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+                    assert r.status == 200
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "specgate.access"]
+    assert line.startswith("POST /v1/chat/completions 200 ")
+    for part in (
+        "request_id=req-7",
+        "class=chat",
+        "pool=plain",
+        "replica=plain-0",
+        "reason=",
+        "ttft_ms=",
+        "attempts=1",
+    ):
+        assert part in line
