@@ -1,19 +1,36 @@
 """The few request-body fields a routing decision needs, read without touching the bytes sent on.
 
-Only `model`, `stream`, `max_tokens` / `max_completion_tokens` and the prompt's size are read;
-anything else is the replica's business, and the body is forwarded exactly as received.
+Only `model`, `stream`, `max_tokens` / `max_completion_tokens` and the prompt's size are read,
+declared as a msgspec Struct in the vocabulary every input shares (any other field is skipped
+unread); the body itself is forwarded exactly as received.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-import orjson
+import msgspec
+from msgspec import Meta
 
 from specgate.gateway.errors import BadBody, ModelNotFound
 from specgate.protocol.endpoints import Endpoint
 from specgate.protocol.tokens import chat_prompt_tokens, completion_prompt_tokens
+from specgate.validation import invalid
+
+Tokens = Annotated[int, Meta(ge=1)]
+
+
+class _RoutingFields(msgspec.Struct):
+    model: str | None = None
+    stream: bool | None = None
+    max_tokens: Tokens | None = None
+    max_completion_tokens: Tokens | None = None
+    messages: Any = None
+    prompt: Any = None
+
+
+_DECODER = msgspec.json.Decoder(_RoutingFields)
 
 
 @dataclass(frozen=True)
@@ -24,13 +41,12 @@ class BodyFields:
     prompt_tokens: int
 
 
-def _prompt_tokens(endpoint: Endpoint, body: dict[str, Any]) -> int:
+def _prompt_tokens(endpoint: Endpoint, body: _RoutingFields) -> int:
     if endpoint is Endpoint.CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
+        if not isinstance(body.messages, list):
             raise BadBody("'messages' must be a list of messages", param="messages")
-        return chat_prompt_tokens(messages)
-    prompt = body.get("prompt")
+        return chat_prompt_tokens(body.messages)
+    prompt = body.prompt
     if isinstance(prompt, str):
         return completion_prompt_tokens(prompt)
     if isinstance(prompt, list) and prompt:
@@ -45,29 +61,19 @@ def _prompt_tokens(endpoint: Endpoint, body: dict[str, Any]) -> int:
 
 def parse_body(raw: bytes, endpoint: Endpoint, served: tuple[str, ...]) -> BodyFields:
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+        body = _DECODER.decode(raw)
+    except msgspec.ValidationError as exc:
+        error = invalid(exc, _RoutingFields, root="")
+        message = f"'{error.field}' {error.message}" if error.field else f"request body: {error.message}"
+        raise BadBody(message, param=error.field or None) from None
+    except msgspec.DecodeError as exc:
         raise BadBody(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadBody("request body must be a JSON object")
-    model = body.get("model")
+    model = body.model
     if model is None:
         if len(served) != 1:
             raise BadBody("'model' is required", param="model")
         model = served[0]
-    if not isinstance(model, str):
-        raise BadBody("'model' must be a string", param="model")
     if model not in served:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise BadBody("'stream' must be a boolean", param="stream")
-    max_tokens = None
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = body.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BadBody(f"'{key}' must be a positive integer", param=key)
-        max_tokens = value if max_tokens is None else max_tokens
-    return BodyFields(model, bool(stream), max_tokens, _prompt_tokens(endpoint, body))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return BodyFields(model, bool(body.stream), max_tokens, _prompt_tokens(endpoint, body))
