@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -148,13 +149,13 @@ def start_sim(log: Path, *args: str, wait_s: float = 30.0) -> SimProcess:
     raise launch.LaunchError(f"simulated replica did not start:\n{log.read_text(errors='replace')}")
 
 
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """Stop a child started by `launch.spawn` with its whole process group (blocking)."""
+    launch.signal_group(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        proc.wait(timeout=grace_s)
+    finally:
+        launch.signal_group(proc.pid, signal.SIGKILL)
         proc.wait()
 
 

@@ -58,6 +58,7 @@ def test_pools_up_detached_and_down(tmp_path: Path) -> None:
     assert down.returncode == 0, down.stderr
     assert "plain-0" in down.stdout
     assert not alive(pid)
+    assert not launch.group_alive(pid)  # the engine core and its helpers went with it
 
 
 @dataclass

@@ -1,13 +1,17 @@
-"""Starting and stopping replica processes.
+"""Starting and stopping child processes: replicas, servers and gateways under test.
 
 A child is started with its output in a log file (a pipe nobody reads would fill and stall it),
-and on Linux it is told to die with its parent, so a gateway killed outright leaves no orphans.
+in a process group of its own, and on Linux it is told to die with its parent, so a gateway
+killed outright leaves no orphans. It is stopped with its whole group: vLLM's engine core and
+its multiprocessing helpers (which ignore SIGTERM) go with the server that started them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import math
 import os
 import re
 import signal
@@ -31,8 +35,8 @@ def _die_with_parent() -> None:
 def spawn(
     argv: Sequence[str], log: Path, *, env: Mapping[str, str] | None = None, detach: bool = False
 ) -> subprocess.Popen[bytes]:
-    """Start a child with its output in `log`. It dies with this process unless `detach`, which
-    leaves it running in a session of its own."""
+    """Start a child with its output in `log`, in a session (and process group) of its own. It
+    dies with this process unless `detach`, which leaves it running."""
     with log.open("wb") as out:
         return subprocess.Popen(
             list(argv),
@@ -41,7 +45,7 @@ def spawn(
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             preexec_fn=None if detach else _die_with_parent,
-            start_new_session=detach,
+            start_new_session=True,
         )
 
 
@@ -91,12 +95,35 @@ async def wait_ready(proc: subprocess.Popen[bytes], log: Path, wait_s: float = 3
     raise _not_started(log)
 
 
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send `sig` to every process of the group (none left is fine)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group still runs (zombies awaiting their reaper do not)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
 async def terminate(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL after `grace_s` seconds; returns once the process is reaped."""
-    if proc.poll() is None:
-        proc.terminate()
-    deadline = time.monotonic() + grace_s
+    """SIGTERM to the child's whole group, then SIGKILL to whatever of it is left after `grace_s`
+    seconds (or as soon as the child itself is gone); returns once the child is reaped."""
+    signal_group(proc.pid, signal.SIGTERM)
+    await _reaped(proc, grace_s)
+    signal_group(proc.pid, signal.SIGKILL)  # stragglers: helpers that ignore SIGTERM
+    await _reaped(proc, math.inf)
+
+
+async def _reaped(proc: subprocess.Popen[bytes], wait_s: float) -> None:
+    """Until the child is reaped, or `wait_s` seconds have passed."""
+    deadline = time.monotonic() + wait_s
     while proc.poll() is None:
         if time.monotonic() > deadline:
-            proc.kill()
+            return
         await asyncio.sleep(0.05)

@@ -310,14 +310,16 @@ def stop_recorded(log_dir: Path, grace_s: float = 30.0) -> list[str]:
             continue  # gone already
         if not alive(pid) or b"vllm.entrypoints" not in cmdline:
             continue  # the pid was reused by something else: not ours to kill
-        os.killpg(pid, signal.SIGTERM)
+        launch.signal_group(pid, signal.SIGTERM)
         stopped.append((entry["name"], pid))
     deadline = time.monotonic() + grace_s
     for _, pid in stopped:
         while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        # The engine core and vLLM's multiprocessing helpers may outlive the API server (some
+        # ignore SIGTERM, and GPU memory stays held while they run): the whole group goes.
+        launch.signal_group(pid, signal.SIGKILL)
+        while launch.group_alive(pid) and time.monotonic() < deadline + 5:
+            time.sleep(0.1)
     state.unlink()
     return [name for name, _ in stopped]
