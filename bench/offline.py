@@ -16,16 +16,18 @@ import dataclasses
 import heapq
 import itertools
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import Profile
-from specgate.policies.decision import Decision
+from specgate.policies.admission import QUEUE_FULL, AdmissionQueue
+from specgate.policies.decision import Decision, Hold, Shed, Verdict
 from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, parse
-from specgate.policies.features import RequestFeatures
+from specgate.policies.features import RequestFeatures, SloTargets
 from specgate.policies.latency_model import LatencyModel
 from specgate.policies.length import LengthStats
 from specgate.sim.engine import Engine, EngineConfig
@@ -36,6 +38,8 @@ from specgate.workers.scrape import VllmLoad
 from specgate.workers.snapshot import ReplicaState
 
 MODEL = "model"
+REVIEW_INTERVAL_S = 0.05
+"""How often held requests are offered the fleet again, besides whenever a request finishes."""
 MAX_TOKENS = 4096
 """The cap every simulated client sends: generous, as real clients set it, and not the answer."""
 
@@ -62,10 +66,15 @@ class Scenario:
     """A policy as the command line gives it (`policy_document`): its name, then its settings."""
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    slo_classes: Mapping[str, SloTargets] = field(default_factory=dict)
+    """SLOs by request class, for the requests a trace puts in one (the others get the pair above)."""
     hint: bool = False
     """Hand each request's true output length to the policy as the client's hint."""
     scrape_interval_s: float = 0.25
     seed: int = 0
+
+    def slo_for(self, request_class: str) -> SloTargets:
+        return self.slo_classes.get(request_class) or SloTargets(self.slo_ttft_ms, self.slo_tpot_ms)
 
 
 @dataclass(frozen=True)
@@ -76,28 +85,37 @@ class Served:
     pool: Pool
     prompt_tokens: int
     output_tokens: int
+    slo: SloTargets = SloTargets()  # noqa: RUF009 (immutable)
+    """The request's own targets."""
+    reason: str = ""
+    """Why the policy chose where it went."""
+    predicted_ttft_ms: float | None = None
+    predicted_tpot_ms: float | None = None
 
-    def meets(self, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
-        if slo_ttft_ms is not None and self.ttft_s * 1e3 > slo_ttft_ms:
+    def meets(self) -> bool:
+        if self.slo.ttft_ms is not None and self.ttft_s * 1e3 > self.slo.ttft_ms:
             return False
         tpot_ms = self.tpot_s * 1e3 if self.tpot_s is not None else None
-        return not (slo_tpot_ms is not None and tpot_ms is not None and tpot_ms > slo_tpot_ms)
+        return not (self.slo.tpot_ms is not None and tpot_ms is not None and tpot_ms > self.slo.tpot_ms)
+
+
+TOO_LONG = "too-long"
+"""Why a request whose prompt does not fit the model's context window was refused (vLLM's 400)."""
 
 
 @dataclass(frozen=True)
 class RunResult:
-    slo_ttft_ms: float | None
-    slo_tpot_ms: float | None
     served: tuple[Served, ...]
-    shed: int
+    refused: Mapping[str, int]
+    """Requests answered with an error instead, by reason (`too-long`, and the policy's)."""
     span_s: float
 
     @property
     def requests(self) -> int:
-        return len(self.served) + self.shed
+        return len(self.served) + sum(self.refused.values())
 
     def summary(self) -> dict[str, float | int]:
-        met = sum(s.meets(self.slo_ttft_ms, self.slo_tpot_ms) for s in self.served)
+        met = sum(s.meets() for s in self.served)
         ttft = [s.ttft_s * 1e3 for s in self.served]
         tpot = [s.tpot_s * 1e3 for s in self.served if s.tpot_s is not None]
         e2e = [s.e2e_s * 1e3 for s in self.served]
@@ -113,7 +131,8 @@ class RunResult:
             "e2e_p50_ms": _pct(e2e, 0.5),
             "e2e_p99_ms": _pct(e2e, 0.99),
             "spec_share": spec / len(self.served) if self.served else 0.0,
-            "shed": self.shed,
+            "shed": sum(n for reason, n in self.refused.items() if reason != TOO_LONG),
+            "too_long": self.refused.get(TOO_LONG, 0),
         }
 
 
@@ -132,11 +151,14 @@ class _SimReplica:
     busy: bool = False
 
 
-def _fits(profile: Profile, request: TraceRequest) -> TraceRequest:
-    """Clip a trace request to what the model's context window and the client's cap allow."""
-    prompt = min(request.prompt_tokens, profile.max_model_len - 2)
-    output = min(request.output_tokens, MAX_TOKENS, profile.max_model_len - prompt)
-    return TraceRequest(request.arrival_s, prompt, max(output, 1))
+def max_tokens(profile: Profile, prompt_tokens: int) -> int:
+    """The cap a client sends: generous, and within what the context window leaves the answer."""
+    return min(MAX_TOKENS, profile.max_model_len - prompt_tokens)
+
+
+def fits(profile: Profile, request: TraceRequest) -> bool:
+    """Whether vLLM accepts the request: a prompt must leave room for one token of answer."""
+    return request.prompt_tokens < profile.max_model_len
 
 
 def policy_document(spec: str, profile: str) -> PolicyDocument:
@@ -163,23 +185,26 @@ def _is_int(text: str) -> bool:
 
 def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     profile = scenario.profile
-    plan = policy_document(scenario.policy, profile.name).compile("offline")
+    document = policy_document(scenario.policy, profile.name)
+    plan = document.compile("offline")
     pools = {Pool.SPECULATIVE: [f"sim://spec-{i}" for i in range(scenario.fleet.spec)],
              Pool.PLAIN: [f"sim://plain-{i}" for i in range(scenario.fleet.plain)]}  # fmt: skip
     fleet = Fleet(pools, FleetSettings(scrape_interval_s=scenario.scrape_interval_s))
     sims: dict[str, _SimReplica] = {}
     for i, (name, replica) in enumerate(fleet.replicas.items()):
-        mode = Pool.SPECULATIVE if replica.pool is Pool.SPECULATIVE else Pool.PLAIN
-        sims[name] = _SimReplica(Engine(profile, mode, EngineConfig(), seed=scenario.seed * 1000 + i))
+        sims[name] = _SimReplica(Engine(profile, replica.pool, EngineConfig(), seed=scenario.seed * 1000 + i))
     lengths = LengthStats()
-    requests = [_fits(profile, r) for r in trace]
 
     events: list[tuple[float, int, str, object]] = []
     order = itertools.count()
-    routed: dict[str, tuple[TraceRequest, str, Decision]] = {}
+    routed: dict[str, tuple[TraceRequest, str, Decision, float]] = {}
+    """Requests on a replica: the request, the replica, the decision, and how long it was held."""
+    waiting: dict[int, tuple[TraceRequest, RequestFeatures]] = {}
+    queue: AdmissionQueue[int] = AdmissionQueue(document.admission)
+    review_scheduled = False
     served: list[Served] = []
-    shed = 0
-    arrivals_left = len(requests)
+    refused: Counter[str] = Counter()
+    arrivals_left = len(trace)
 
     def start_step(name: str) -> None:
         sim = sims[name]
@@ -204,37 +229,65 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             replica.scraped(load, now, replica.dispatched)
 
     def arrive(index: int, request: TraceRequest) -> None:
-        nonlocal shed, arrivals_left
+        nonlocal arrivals_left
         arrivals_left -= 1
+        if not fits(profile, request):
+            refused[TOO_LONG] += 1
+            return
         now = request.arrival_s
+        cap = max_tokens(profile, request.prompt_tokens)
+        slo = scenario.slo_for(request.request_class)
         features = RequestFeatures(
             model=MODEL,
             stream=True,
             prompt_tokens=request.prompt_tokens,
-            max_tokens=MAX_TOKENS,
+            max_tokens=cap,
             expected_output_tokens=lengths.expected(
                 MODEL,
                 request.prompt_tokens,
                 hint=request.output_tokens if scenario.hint else None,
-                max_tokens=MAX_TOKENS,
+                max_tokens=cap,
+                request_class=request.request_class,
             ),
-            slo_ttft_ms=scenario.slo_ttft_ms,
-            slo_tpot_ms=scenario.slo_tpot_ms,
+            slo_ttft_ms=slo.ttft_ms,
+            slo_tpot_ms=slo.tpot_ms,
             forced_pool=None,
             priority=0,
             sequence=index,
         )
-        decision = plan.decide(features, fleet.snapshot(now))
-        if not isinstance(decision, Decision):
-            shed += 1
+        waiting[index] = (request, features)
+        settle(index, plan.decide(features, fleet.snapshot(now, len(queue))), now)
+
+    def settle(index: int, verdict: Verdict, now: float) -> None:
+        request, features = waiting[index]
+        if isinstance(verdict, Hold):
+            if queue.hold(index, features, now):
+                schedule_review(now)
+                return
+            verdict = Shed(QUEUE_FULL, 1.0)
+        del waiting[index]
+        if not isinstance(verdict, Decision):
+            refused[verdict.reason if verdict is not None else "no-replica"] += 1
             return
-        name = decision.replica.name
+        name = verdict.replica.name
         fleet.replicas[name].dispatched_one(request.prompt_tokens, now)
         request_id = f"r{index}"
-        routed[request_id] = (request, name, decision)
-        sims[name].engine.add_request(request_id, request.prompt_tokens, request.output_tokens, arrival=now)
+        routed[request_id] = (request, name, verdict, now - request.arrival_s)
+        output = min(request.output_tokens, max_tokens(profile, request.prompt_tokens))
+        sims[name].engine.add_request(request_id, request.prompt_tokens, output, arrival=now)
         if not sims[name].busy:
             start_step(name)
+
+    def review(now: float) -> None:
+        if len(queue):
+            for index, verdict in queue.review(now, lambda _, f: plan.decide(f, fleet.snapshot(now, len(queue)))):
+                settle(index, verdict, now)
+
+    def schedule_review(now: float) -> None:
+        nonlocal review_scheduled
+        if not review_scheduled:
+            review_scheduled = True
+            heapq.heappush(events, (now + REVIEW_INTERVAL_S, next(order), "review", None))
 
     def step_done(name: str, step: StepResult) -> None:
         replica = fleet.replicas[name]
@@ -242,21 +295,35 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             if out.first:
                 replica.first_byte(routed[out.request_id][0].prompt_tokens)
         for done in step.finished:
-            request, _, decision = routed.pop(done.request_id)
+            request, _, decision, held = routed.pop(done.request_id)
             replica.finished(got_first_byte=True)
             assert done.ttft is not None
             replica.observe(done.ttft, done.tpot, *decision.predicted_s)
-            lengths.observe(MODEL, request.prompt_tokens, done.output_tokens)
+            lengths.observe(MODEL, request.prompt_tokens, done.output_tokens, request.request_class)
+            slo = scenario.slo_for(request.request_class)
             served.append(
-                Served(done.ttft, done.tpot, done.e2e, replica.pool, request.prompt_tokens, request.output_tokens)
+                Served(  # as the client sees it: the wait in the gateway's queue included
+                    held + done.ttft,
+                    done.tpot,
+                    held + done.e2e,
+                    replica.pool,
+                    request.prompt_tokens,
+                    done.output_tokens,
+                    slo,
+                    decision.reason,
+                    decision.predicted_ttft_ms,
+                    decision.predicted_tpot_ms,
+                )
             )
         sims[name].busy = False
         if sims[name].engine.has_work():
             start_step(name)
+        if step.finished:
+            review(step.end)  # capacity has freed up: a held request may fit now
 
     scrape(0.0)
     heapq.heappush(events, (scenario.scrape_interval_s, next(order), "scrape", None))
-    for index, request in enumerate(requests):
+    for index, request in enumerate(trace):
         heapq.heappush(events, (request.arrival_s, next(order), "arrival", (index, request)))
     while events:
         now, _, kind, payload = heapq.heappop(events)
@@ -264,30 +331,39 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             arrive(*payload)  # type: ignore[misc]
         elif kind == "step":
             step_done(*payload)  # type: ignore[misc]
-        elif routed or arrivals_left:
+        elif kind == "review":
+            review_scheduled = False
+            review(now)
+            if len(queue):
+                schedule_review(now)
+        elif routed or arrivals_left or len(queue):
             scrape(now)
+            review(now)
             heapq.heappush(events, (now + scenario.scrape_interval_s, next(order), "scrape", None))
-    span = requests[-1].arrival_s - requests[0].arrival_s if len(requests) > 1 else 1.0
-    return RunResult(scenario.slo_ttft_ms, scenario.slo_tpot_ms, tuple(served), shed, span)
+    span = trace[-1].arrival_s - trace[0].arrival_s if len(trace) > 1 else 1.0
+    return RunResult(tuple(served), dict(refused), span)
 
 
-def attainable(
-    trace: Sequence[TraceRequest], profile: Profile, slo_ttft_ms: float | None, slo_tpot_ms: float | None
-) -> float:
+def attainable(trace: Sequence[TraceRequest], scenario: Scenario) -> float:
     """The clairvoyant bound: the share of requests that would meet their SLOs on an idle replica
     of the better mode for them (their true output length known)."""
+    profile = scenario.profile
     model = LatencyModel(profile)
     ok = 0
-    for request in (_fits(profile, r) for r in trace):
+    for request in trace:
+        if not fits(profile, request):
+            continue
+        slo = scenario.slo_for(request.request_class)
+        output = min(request.output_tokens, max_tokens(profile, request.prompt_tokens))
         features = RequestFeatures(
-            model=MODEL, stream=True, prompt_tokens=request.prompt_tokens, max_tokens=MAX_TOKENS,
-            expected_output_tokens=request.output_tokens, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+            model=MODEL, stream=True, prompt_tokens=request.prompt_tokens, max_tokens=output,
+            expected_output_tokens=output, slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms,
             forced_pool=None, priority=0, sequence=0,
         )  # fmt: skip
         for pool in Pool:
             p = model.predict(_idle(pool), features)
-            ttft_ok = slo_ttft_ms is None or p.ttft_ms <= slo_ttft_ms
-            tpot_ok = slo_tpot_ms is None or request.output_tokens <= 1 or p.tpot_ms <= slo_tpot_ms
+            ttft_ok = slo.ttft_ms is None or p.ttft_ms <= slo.ttft_ms
+            tpot_ok = slo.tpot_ms is None or output <= 1 or p.tpot_ms <= slo.tpot_ms
             if ttft_ok and tpot_ok:
                 ok += 1
                 break

@@ -23,6 +23,7 @@ import orjson
 from specgate.bench.offline import MAX_TOKENS, RunResult, Served
 from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
+from specgate.policies.features import SloTargets
 from specgate.protocol.tokens import BYTES_PER_TOKEN, CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_PER_REPLY, completion_tokens
 from specgate.sim.requests import SCRIPTED_OUTPUT_FIELD
 
@@ -83,7 +84,8 @@ async def _one(session: aiohttp.ClientSession, settings: ReplaySettings, request
     scale = settings.time_scale
     ttft = (first - sent) * scale
     tpot = (last - first) * scale / (tokens - 1) if tokens > 1 else None
-    return Served(ttft, tpot, (last - sent) * scale, pool, request.prompt_tokens, tokens)
+    slo = SloTargets(settings.slo_ttft_ms, settings.slo_tpot_ms)
+    return Served(ttft, tpot, (last - sent) * scale, pool, request.prompt_tokens, tokens, slo)
 
 
 async def replay(trace: Sequence[TraceRequest], settings: ReplaySettings) -> tuple[RunResult, int]:
@@ -111,4 +113,5 @@ async def replay(trace: Sequence[TraceRequest], settings: ReplaySettings) -> tup
 
         await asyncio.gather(*(at_arrival(r) for r in trace))
     span = trace[-1].arrival_s - trace[0].arrival_s if len(trace) > 1 else 1.0
-    return RunResult(settings.slo_ttft_ms, settings.slo_tpot_ms, tuple(served), shed + failed, span), failed
+    refused = {"shed": shed, "failed": failed}
+    return RunResult(tuple(served), {k: n for k, n in refused.items() if n}, span), failed

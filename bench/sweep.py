@@ -74,7 +74,8 @@ def run_sweep(settings: SweepSettings) -> dict[str, object]:
             _progress(done, len(jobs), f"{run['policy']} x{run['rate_scale']:g}")
     print(file=sys.stderr)
     profile = get_profile(settings.profile)
-    bound = attainable(trace, profile, settings.slo_ttft_ms, settings.slo_tpot_ms)
+    scenario = Scenario(profile, Fleetspec(1, 1), "least-loaded", settings.slo_ttft_ms, settings.slo_tpot_ms)
+    bound = attainable(trace, scenario)
     return {
         "trace": str(settings.trace.name),
         "requests_per_run": len(trace),

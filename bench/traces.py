@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +19,8 @@ class TraceRequest:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    request_class: str = ""
+    """The `x-request-class` the request is sent with (traffic shapes assign one)."""
 
 
 class TraceError(ValueError):
@@ -63,4 +65,4 @@ def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
 
 def scaled(trace: list[TraceRequest], rate_scale: float) -> list[TraceRequest]:
     """The same requests arriving `rate_scale` times as fast."""
-    return [TraceRequest(r.arrival_s / rate_scale, r.prompt_tokens, r.output_tokens) for r in trace]
+    return [replace(r, arrival_s=r.arrival_s / rate_scale) for r in trace]

@@ -46,8 +46,8 @@ else:
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def common_options() -> argparse.ArgumentParser:
+def common_options(log_level: str = "info") -> argparse.ArgumentParser:
     """Options every subcommand takes, after its name: `specgate serve --log-level debug`."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default: info")
+    common.add_argument("--log-level", choices=LOG_LEVELS, default=log_level, help=f"default: {log_level}")
     return common

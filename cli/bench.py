@@ -30,6 +30,7 @@ def add_command(sub: Subcommands) -> None:
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     commands = bench.add_subparsers(dest="bench", required=True)
     _add_offline(commands)
+    _add_grid(commands)
     _add_replay(commands)
     for name, (module, help_text) in MODULE_BENCHMARKS.items():
         p = commands.add_parser(name, help=help_text, add_help=False)
@@ -46,7 +47,7 @@ def _run_module(args: argparse.Namespace) -> int:
 def _add_offline(commands: Subcommands) -> None:
     p = commands.add_parser(
         "offline",
-        parents=[common_options()],
+        parents=[common_options("warning")],
         help="policies over a trace in the offline simulator",
         description="Every policy routes the same trace over the same simulated fleet at several loads.",
     )
@@ -121,10 +122,54 @@ def _run_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+AZURE = Path("../shared/traces/azure_llm_2023")
+
+
+def _add_grid(commands: Subcommands) -> None:
+    p = commands.add_parser(
+        "grid",
+        parents=[common_options("warning")],
+        help="the adaptive policy against every fixed rule over many traffics, fleets and SLOs",
+        description="Cells of traffic shape, prompt mix, request classes, SLOs, fleet split and profile, "
+        "each at several loads: the adaptive policy's margin to the best fixed rule at every point.",
+    )
+    p.add_argument("--conv", type=Path, default=AZURE / "AzureLLMInferenceTrace_conv.csv")
+    p.add_argument("--code", type=Path, default=AZURE / "AzureLLMInferenceTrace_code.csv")
+    p.add_argument("--loads", type=float_list, default=(0.25, 0.5, 1.0, 2.0, 4.0), help="x the fleet's capacity")
+    p.add_argument("--requests", type=positive_int, default=500, help="requests per run")
+    p.add_argument("--quick", action="store_true", help="three cells: a smoke test in seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1)
+    p.add_argument("--out", type=Path, default=Path("docs/bench/grid"))
+    p.set_defaults(func=_run_grid)
+
+
+def _run_grid(args: argparse.Namespace) -> int:
+    from specgate.bench.grid import GridSettings, run_grid, write_outputs
+    from specgate.bench.traces import TraceError
+
+    settings = GridSettings(
+        traces={"conv": args.conv, "code": args.code},
+        loads=args.loads,
+        requests=args.requests,
+        seed=args.seed,
+        quick=args.quick,
+        jobs=args.jobs,
+    )
+    try:
+        results = run_grid(settings)
+    except (OSError, TraceError) as exc:
+        print(f"specgate bench grid: {exc}", file=sys.stderr)
+        return 2
+    write_outputs(results, args.out, "specgate bench grid " + " ".join(sys.argv[3:]))
+    print(f"specgate bench grid: wrote {args.out}/results.json, report.md and margin.png", file=sys.stderr)
+    return 0
+
+
 def _add_replay(commands: Subcommands) -> None:
     p = commands.add_parser(
         "replay",
-        parents=[common_options()],
+        parents=[common_options("warning")],
         help="a trace through a running gateway, in real time",
         description="Send a trace through a gateway in real time and measure from the client side.",
     )

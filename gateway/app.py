@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from specgate.gateway.admin import add_admin_routes
+from specgate.gateway.admission import AdmissionControl
 from specgate.gateway.config import GatewaySettings
 from specgate.gateway.errors import openai_errors
 from specgate.gateway.handlers import add_routes
@@ -44,13 +45,15 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     metrics = GatewayMetrics(fleet, with_store=settings.store.url is not None)
     store = PolicyStore.connect(settings.store.url, settings.store.prefix) if settings.store.url else None
     control = PolicyControl(metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s)
-    relay = Relay(settings, fleet, session, metrics, control)
+    admission = AdmissionControl(fleet, metrics)
+    relay = Relay(settings, fleet, session, metrics, control, admission)
     app[SESSION], app[FLEET], app[METRICS], app[RELAY], app[POLICY] = session, fleet, metrics, relay, control
     # One round of scrapes before serving, so a gateway in front of live replicas is ready at once.
     await asyncio.gather(*(fleet.scrape_once(session, r) for r in fleet.replicas.values()))
     tasks = [
         asyncio.create_task(fleet.scrape_forever(session, r), name=f"scrape-{r.name}") for r in fleet.replicas.values()
     ]
+    tasks.append(asyncio.create_task(admission.run(), name="admission"))
     if store is not None:
         # Read the store once before serving (briefly: Redis down must not stop the gateway).
         with contextlib.suppress(*STORE_ERRORS, TimeoutError):

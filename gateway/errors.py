@@ -3,10 +3,13 @@
     GatewayError                       {"error": {"message", "type", "param", "code"}}
      ├── BadRequest            400     invalid_request_error
      │    ├── BadHeader        400     a routing header with a bad value (param: the header)
-     │    └── BadBody          400     a body that is not JSON, or a field of the wrong type
+     │    ├── BadBody          400     a body that is not JSON, or a field of the wrong type
+     │    ├── SloInfeasible    400     no replica could meet the request's SLOs even idle
+     │    └── ContextTooLong   400     the prompt does not fit any replica's max_model_len
      ├── ModelNotFound         404     model_not_found
      ├── BodyTooLarge          413     body_too_large
-     ├── Overloaded            429     the request cannot meet its SLO now (Retry-After says when to retry)
+     ├── Overloaded            429     the request cannot meet its SLO now, its wait in the admission queue
+     │                                 ran out, or the queue is full (Retry-After says when to retry)
      ├── NoHealthyReplica      503     no_healthy_replica
      ├── UpstreamUnavailable   502     every replica tried failed before answering
      └── UpstreamTimeout       504     no first byte within the first-byte timeout
@@ -29,7 +32,7 @@ _log = logging.getLogger(__name__)
 class GatewayError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
-    code: ClassVar[str | None] = None
+    code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, reason: str | None = None) -> None:
         super().__init__(message)
@@ -57,6 +60,18 @@ class BadBody(BadRequest):
     code = "invalid_body"
 
 
+class SloInfeasible(BadRequest):
+    """No replica could meet the request's SLOs even idle: a retry cannot help, relaxing them can."""
+
+    code = "slo_infeasible"
+
+
+class ContextTooLong(BadRequest):
+    """The prompt does not fit any replica's context window (vLLM's `max_model_len`)."""
+
+    code = "context_length_exceeded"
+
+
 class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
@@ -77,6 +92,8 @@ class Overloaded(GatewayError):
     def __init__(self, message: str, *, retry_after_s: float, reason: str | None = None) -> None:
         super().__init__(message, reason=reason)
         self.retry_after_s = retry_after_s
+        if reason is not None:
+            self.code = reason.replace("-", "_")  # slo_unattainable, deadline, queue_full
 
 
 class NoHealthyReplica(GatewayError):

@@ -48,7 +48,8 @@ class Feedback:
             if outcome.tpot_s is not None:
                 self.metrics.tpot.labels(pool).observe(outcome.tpot_s)
         if headers.slo_ttft_ms is not None and outcome.ttft_s is not None:
-            met = outcome.ttft_s * 1e3 <= headers.slo_ttft_ms
+            waited = attempt.started - journey.arrived  # the admission queue and earlier attempts
+            met = (waited + outcome.ttft_s) * 1e3 <= headers.slo_ttft_ms
             self.metrics.slo.labels("ttft", "met" if met else "missed").inc()
         if headers.slo_tpot_ms is not None and outcome.tpot_s is not None:
             met = outcome.tpot_s * 1e3 <= headers.slo_tpot_ms

@@ -79,6 +79,16 @@ class GatewayMetrics:
             up.labels(*labels).set_function(_reader(replica, lambda rep: float(rep.healthy)))
             in_flight.labels(*labels).set_function(_reader(replica, lambda rep: float(rep.in_flight)))
             age.labels(*labels).set_function(_reader(replica, fleet.scrape_age))
+        self.queue_depth = Gauge("specgate_queue_depth", "Requests held in the gateway's admission queue.",
+                                 registry=r)  # fmt: skip
+        self.queue_wait = _Children(Histogram(
+            "specgate_queue_wait_seconds", "Time requests spent in the admission queue, by outcome "
+            "(dispatched, refused).", ("outcome",), buckets=_LATENCY_BUCKETS, registry=r,
+        ))  # fmt: skip
+        self.queue_dropped = _Children(Counter(
+            "specgate_queue_dropped", "Requests refused from the admission queue, by reason (deadline, "
+            "queue-full).", ("reason",), registry=r,
+        ))  # fmt: skip
         self.policy_version = Gauge("specgate_policy_version", "Version of the policy document in force.",
                                     registry=r)  # fmt: skip
         self.policy_changes = _Children(Counter(

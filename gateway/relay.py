@@ -17,20 +17,30 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
+from specgate.gateway.admission import AdmissionControl
 from specgate.gateway.attempt import Attempt, RetryElsewhere
 from specgate.gateway.body import parse_body
 from specgate.gateway.config import GatewaySettings
-from specgate.gateway.errors import BodyTooLarge, GatewayError, NoHealthyReplica, Overloaded
+from specgate.gateway.errors import (
+    BodyTooLarge,
+    ContextTooLong,
+    GatewayError,
+    NoHealthyReplica,
+    Overloaded,
+    SloInfeasible,
+)
 from specgate.gateway.feedback import Feedback
 from specgate.gateway.journey import Journey, upstream_headers
 from specgate.gateway.metrics import GatewayMetrics
 from specgate.gateway.sla import parse_routing_headers
-from specgate.policies.decision import Shed
+from specgate.policies.admission import DEADLINE, QUEUE_FULL
+from specgate.policies.decision import Hold, Shed
 from specgate.policies.features import RequestFeatures
 from specgate.policies.length import LengthStats
 from specgate.policies.registry import RoutingPlan
 from specgate.protocol.endpoints import Endpoint
 from specgate.workers.pools import Fleet
+from specgate.workers.snapshot import Snapshot
 
 MAX_ATTEMPTS = 2
 """Replicas tried for one request before its failure goes to the client."""
@@ -51,12 +61,14 @@ class Relay:
         session: aiohttp.ClientSession,
         metrics: GatewayMetrics,
         plans: PlanSource,
+        admission: AdmissionControl,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
         self.session = session
         self.metrics = metrics
         self.plans = plans
+        self.admission = admission
         self.lengths = LengthStats()
         self.feedback = Feedback(metrics, self.lengths, access_log=settings.access_log)
         self._sequence = itertools.count(1)  # 0 would make the very first request an exploration
@@ -108,19 +120,18 @@ class Relay:
         plan = journey.plan
         failure: GatewayError | None = None
         for number in range(MAX_ATTEMPTS):
-            snapshot = self.fleet.snapshot(time.monotonic())
+            snapshot = self._fitting(journey, self.fleet.snapshot(time.monotonic(), len(self.admission.queue)))
             if journey.tried:
                 snapshot = snapshot.without(frozenset(journey.tried))
-            decision = plan.decide(journey.features, snapshot)
-            if decision is None:
+            verdict = plan.decide(journey.features, snapshot)
+            if isinstance(verdict, Hold):
+                verdict = await self.admission.hold(journey)
+            if verdict is None:
                 break
-            if isinstance(decision, Shed):
-                self.metrics.decisions.labels(plan.policy.name, "none", decision.reason).inc()
-                raise Overloaded(
-                    "no replica can meet this request's SLO now; retry later",
-                    retry_after_s=decision.retry_after_s,
-                    reason=decision.reason,
-                )
+            if isinstance(verdict, Shed):
+                self.metrics.decisions.labels(plan.policy.name, "none", verdict.reason).inc()
+                raise _refusal(verdict)
+            decision = verdict
             replica = self.fleet.replicas[decision.replica.name]
             journey.tried.append(replica.name)
             self.metrics.decisions.labels(plan.policy.name, replica.pool.value, decision.reason).inc()
@@ -137,6 +148,32 @@ class Relay:
             except asyncio.CancelledError:
                 self.feedback.answered(journey, attempt)  # the client left
                 raise
+            finally:
+                self.admission.kick()  # the replica has room again
             self.feedback.answered(journey, attempt)
             return response
         raise failure or NoHealthyReplica("no healthy replica can take the request")
+
+    @staticmethod
+    def _fitting(journey: Journey, snapshot: Snapshot) -> Snapshot:
+        """The replicas whose context window holds the prompt; ContextTooLong when no healthy one does."""
+        prompt = journey.features.prompt_tokens
+        fitting = snapshot.fitting(prompt)
+        if snapshot.healthy() and not fitting.healthy():
+            window = max(r.max_model_len or 0 for r in snapshot.healthy())
+            raise ContextTooLong(
+                f"This model's maximum context length is {window} tokens; the prompt is about {prompt} tokens "
+                "(estimated at four bytes a token). Shorten the prompt.",
+                param="messages" if journey.endpoint is Endpoint.CHAT else "prompt",
+            )
+        return fitting
+
+
+def _refusal(shed: Shed) -> GatewayError:
+    if shed.retry_after_s is None:
+        return SloInfeasible(shed.detail or "no replica could meet this request's SLOs", reason=shed.reason)
+    why = {
+        DEADLINE: "no replica could serve it before its wait in the admission queue ran out",
+        QUEUE_FULL: "the admission queue is full",
+    }.get(shed.reason, "no replica can meet this request's SLO now")
+    return Overloaded(f"{why}; retry later", retry_after_s=shed.retry_after_s, reason=shed.reason)

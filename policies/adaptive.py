@@ -20,7 +20,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from specgate.policies.decision import Decision, Shed, Shedding, spread
+from specgate.policies.admission import Admission
+from specgate.policies.decision import Decision, Hold, Shed, Shedding, Verdict, spread
 from specgate.policies.features import RequestFeatures
 from specgate.policies.latency_model import LatencyModel, Prediction
 from specgate.validation import Fraction
@@ -57,51 +58,90 @@ class Adaptive:
     shedding: Shedding = field(default_factory=Shedding)
     exploration: float = 0.02
     """Share of requests sent to the other pool's best feasible replica, to keep learning it."""
+    admission: Admission = field(default_factory=Admission)
     name: str = "adaptive"
 
     def _explores(self, sequence: int) -> bool:
         return spread(sequence) < self.exploration
 
-    def chance(self, prediction: Prediction, features: RequestFeatures) -> float:
+    def chance(self, prediction: Prediction, ttft_ms: float | None, tpot_ms: float | None) -> float:
+        """The chance a request predicted so meets a TTFT target of `ttft_ms` and a TPOT one of `tpot_ms`."""
         chance = 1.0
-        if features.slo_ttft_ms is not None:
-            ratio = prediction.ttft_ms / features.slo_ttft_ms
+        if ttft_ms is not None:
+            ratio = prediction.ttft_ms / ttft_ms if ttft_ms > 0 else float("inf")
             if ratio > 1.0:
                 return 0.0
             margin = self.params.slo_margin
             if ratio > margin:
                 chance = (1.0 - ratio) / (1.0 - margin)
-        if features.slo_tpot_ms is not None:
-            chance *= self.model.tpot_met_probability(prediction, features.slo_tpot_ms)
+        if tpot_ms is not None:
+            chance *= self.model.tpot_met_probability(prediction, tpot_ms)
         return chance
 
-    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Decision | Shed | None:
-        healthy = snapshot.healthy()
-        if not healthy:
-            return None
+    def _options(self, snapshot: Snapshot, features: RequestFeatures, ttft_ms: float | None) -> list[_Option]:
         output = self.model.expected_output(features)
         options = []
-        for replica in healthy:
-            p = self.model.predict(replica, features)
+        for replica in snapshot.healthy():
+            p = self.model.predict(replica, features, snapshot.backlog)
             score = (p.completion_ms(output) + self.params.harm_weight * p.harm_ms) / replica.weight
-            options.append(_Option(replica, p, self.chance(p, features), score))
-        has_slo = features.slo_ttft_ms is not None or features.slo_tpot_ms is not None
+            options.append(_Option(replica, p, self.chance(p, ttft_ms, features.slo_tpot_ms), score))
+        return options
+
+    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Verdict:
+        if not snapshot.healthy():
+            return None
+        remaining = features.remaining_ttft_ms
+        options = self._options(snapshot, features, remaining)
+        if features.slo_ttft_ms is None and features.slo_tpot_ms is None:
+            best = min(options, key=lambda o: o.score)
+            return self._decision(best, "fastest")
         top = max(o.chance for o in options)
-        if not has_slo:
-            best, reason = min(options, key=lambda o: o.score), "fastest"
-        elif top >= self.params.min_chance:
+        if top >= self.params.min_chance:
             contenders = [o for o in options if o.chance >= top - self.params.tolerance]
             best, reason = min(contenders, key=lambda o: o.score), "meets-slo"
             if self._explores(features.sequence):
                 others = [o for o in contenders if o.replica.pool is not best.replica.pool]
                 if others:
                     best, reason = min(others, key=lambda o: o.score), "explore"
-        else:
-            if self.shedding.enabled and features.priority < self.shedding.below_priority:
-                return Shed("slo-unattainable", self.shedding.retry_after_s)
-            # Past saving it, place the request where it costs the others' SLOs least: its harm,
-            # weighted by the chance a request has there (the measure at hand of how much the
-            # requests already there still stand to meet: where that is nil, they are late
-            # already and lose nothing more), then the least-violating.
-            best, reason = min(options, key=lambda o: (o.chance * o.prediction.harm_ms, o.score)), "best-effort"
-        return Decision(best.replica, reason, best.prediction.ttft_ms, best.prediction.tpot_ms)
+            return self._decision(best, reason)
+        if self.shedding.enabled and features.priority < self.shedding.below_priority:
+            return Shed("slo-unattainable", self.shedding.retry_after_s, "no replica can meet its SLOs now")
+        admission = self.admission
+        if not admission.enabled:
+            return self._best_effort(options)
+        # Could an idle replica still meet the targets, with what is left of the TTFT one?
+        idle = {o.replica.pool: o.replica for o in options}
+        reachable = max(self.chance(self.model.predict(r.idle(), features), remaining, features.slo_tpot_ms)
+                        for r in idle.values())  # fmt: skip
+        if reachable > 0:
+            return Hold("queued")  # one may soon: wait in the gateway, not in a replica's queue
+        if not features.waited_ms and admission.refuse_infeasible:
+            return Shed("slo-infeasible", None, self._infeasible(features, idle.values()))
+        # Its SLOs are lost: serve it best-effort, where it is sure to be served before the
+        # wait runs out, else wait in the gateway for such a place or for the end of the wait.
+        left = admission.give_up_ms(features) - features.waited_ms
+        relaxed = self._options(snapshot, features, left)
+        best = max(relaxed, key=lambda o: (o.chance, -o.score))
+        if best.chance >= self.params.min_chance:
+            return self._decision(best, "best-effort", best_effort=True)
+        return Hold("best-effort")
+
+    def _best_effort(self, options: list[_Option]) -> Decision:
+        """Past saving it, a request goes where its chance is best, then where it costs the others'
+        SLOs least: its harm weighted by the chance a request has there (the measure at hand of how
+        much the requests already there still stand to meet: where that is nil, they are late
+        already and lose nothing more), then the least-violating."""
+        return self._decision(
+            min(options, key=lambda o: (-o.chance, o.chance * o.prediction.harm_ms, o.score)), "best-effort", True
+        )
+
+    def _infeasible(self, features: RequestFeatures, replicas: object) -> str:
+        return (
+            f"no replica could meet x-slo-ttft-ms {features.slo_ttft_ms} and x-slo-tpot-ms "
+            f"{features.slo_tpot_ms} even idle (a {features.prompt_tokens}-token prompt)"
+        )
+
+    @staticmethod
+    def _decision(option: _Option, reason: str, best_effort: bool = False) -> Decision:
+        p = option.prediction
+        return Decision(option.replica, reason, p.ttft_ms, p.tpot_ms, option.chance, best_effort)

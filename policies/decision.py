@@ -19,6 +19,11 @@ class Decision:
     """Short and machine-readable: what made the policy choose this replica."""
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
+    chance: float | None = None
+    """The predicted probability that the request meets its SLOs there (policies that predict)."""
+    best_effort: bool = False
+    """Its SLOs are out of reach: it is served as well as can be, after every request that can
+    still meet its own (the admission queue holds it back while such requests wait)."""
 
     @property
     def predicted_s(self) -> tuple[float | None, float | None]:
@@ -29,10 +34,21 @@ class Decision:
 
 @dataclass(frozen=True)
 class Shed:
-    """Refuse the request now (HTTP 429): it cannot meet its SLO and its priority lets it wait."""
+    """Refuse the request now: with `retry_after_s`, it cannot meet its SLOs now (HTTP 429 and
+    Retry-After); without, no replica could meet them even idle (HTTP 400: a retry cannot help)."""
 
     reason: str
-    retry_after_s: float
+    retry_after_s: float | None
+    detail: str = ""
+    """What made the policy refuse, for the error message."""
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Keep the request in the gateway's admission queue: no replica can meet its SLOs now, but
+    one may soon. Whoever holds it asks the policy again, with the time it has waited."""
+
+    reason: str = "queued"
 
 
 class Shedding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -45,14 +61,18 @@ class Shedding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     retry_after_s: Seconds = 1.0
 
 
+Verdict = Decision | Shed | Hold | None
+"""What a policy says about a request."""
+
+
 class Policy(Protocol):
     """A pure function of the request, the fleet snapshot and the policy's own parameters."""
 
     @property
     def name(self) -> str: ...
 
-    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Decision | Shed | None:
-        """The replica to use, a refusal, or None when no healthy replica can take the request."""
+    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Verdict:
+        """The replica to use, a refusal, a hold, or None when no healthy replica can take the request."""
         ...
 
 

@@ -18,7 +18,9 @@ A JSON object (in the config file, the same object as the TOML table [policy]); 
       "pools": {
         "speculative": {"weight": 1.0, "drain": false},
         "plain": {"weight": 1.0, "drain": false}
-      }
+      },
+      "admission": {"enabled": true, "max_queue": 1000, "max_wait_factor": 3.0,
+                    "max_wait_ms": 30000, "refuse_infeasible": true}
     }
 
 Unknown keys, wrong types and out-of-range values raise `DocumentError`, whose `field` is the
@@ -38,6 +40,7 @@ from msgspec import Meta
 
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
+from specgate.policies.admission import Admission
 from specgate.policies.decision import Shedding
 from specgate.policies.features import SloTargets
 from specgate.policies.latency_model import LatencyModel
@@ -84,6 +87,8 @@ class PolicyDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     exploration: Annotated[float, Meta(ge=0, le=0.5)] = 0.02
     """Share of requests the adaptive policy sends to the other pool's best replica, to keep learning it."""
     pools: PoolControls = PoolControls()
+    admission: Admission = Admission()
+    """How the adaptive policy holds requests no replica can serve in time now."""
 
     def to_json(self) -> dict[str, Any]:
         result: dict[str, Any] = msgspec.to_builtins(self, order="sorted")
@@ -96,7 +101,7 @@ class PolicyDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def compile(self, version: str) -> RoutingPlan:
         """The plan this document routes by; `parse` has checked everything this relies on."""
         model = LatencyModel(PROFILES[self.profile])
-        knobs = Knobs(shedding=self.shedding, exploration=self.exploration)
+        knobs = Knobs(shedding=self.shedding, exploration=self.exploration, admission=self.admission)
         return RoutingPlan(
             build_policy(self.policy, self.params, model, knobs),
             model,
@@ -106,6 +111,7 @@ class PolicyDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             slo_classes=self.slo.classes,
             pool_weights={p: self.pools[p].weight for p in Pool if self.pools[p].weight != 1.0},
             drained=frozenset(p for p in Pool if self.pools[p].drain),
+            admission=self.admission,
         )
 
 

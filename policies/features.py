@@ -34,3 +34,10 @@ class RequestFeatures:
     priority: int
     sequence: int
     """The gateway's running request count: lets stateless policies rotate."""
+    waited_ms: float = 0.0
+    """How long the request has waited in the gateway's admission queue: spent of its TTFT target."""
+
+    @property
+    def remaining_ttft_ms(self) -> float | None:
+        """What is left of the TTFT target after the wait; None without a target."""
+        return None if self.slo_ttft_ms is None else self.slo_ttft_ms - self.waited_ms

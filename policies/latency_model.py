@@ -10,7 +10,9 @@ For the replica a request would join, with B requests already there:
   divides its draft-and-verify step by the tokens per step it was last seen to emit (the profile's
   mean until scraped). Chunked prefill of the prompts still arriving rides along and slows those
   steps: at the replica's recent rate of prompt tokens, that prefill takes a share f of its time,
-  and TPOT is divided by 1 - f.
+  and TPOT is divided by 1 - f; and however recent the rate, a batch of B + 1 is replaced about
+  once in the lifetime of each of its requests, so their prefills, spread over this request's
+  output tokens, are added to it if that comes to more.
 - Harm: what joining costs the B requests already there: the steps that prefill this prompt stall
   all of them, and every later step is slower by the rise in step time from B to B + 1, for as
   many steps as this request stays; summed over the B requests.
@@ -45,9 +47,9 @@ class Prediction:
     decode_tpot_ms: float = 0.0
     """TPOT without prefill stalls: the step time at the joined batch over tokens per step."""
     stall_ms: float = 0.0
-    """How long one arriving prompt like this one stalls the replica's decoding."""
-    stalls_per_s: float = 0.0
-    """How often prompts arrive at the replica, at its recent rate of prompt tokens."""
+    """How long one arriving prompt stalls the replica's decoding (the mean prompt arriving there)."""
+    stalls: float = 0.0
+    """How many prompts are expected to stall this request between its arrival and its end."""
     output_tokens: int = 1
     """The output length the prediction assumed."""
 
@@ -74,7 +76,9 @@ class LatencyModel:
             expected = min(expected, features.max_tokens)
         return max(expected, 1)
 
-    def _step_ms(self, pool: Pool, decode_seqs: int, context: float, prefill_tokens: int = 0) -> float:
+    def step_ms(self, pool: Pool, decode_seqs: int, context: float, prefill_tokens: int = 0) -> float:
+        """One engine step of `decode_seqs` sequences at `context` tokens, with `prefill_tokens` of
+        prompt riding along, as the profile prices it (drafts included on a speculative replica)."""
         # Contexts within a few tokens cost the same to a fraction of a percent: round them so
         # that the same few steps are priced once, not for every request and every replica.
         key = (pool, decode_seqs, round(context / CONTEXT_QUANTUM), prefill_tokens)
@@ -110,7 +114,8 @@ class LatencyModel:
         capacity = self.profile.spec.kv_capacity_tokens if spec else self.profile.kv_capacity_tokens
         return max(replica.kv_usage * capacity / batch, 1.0)
 
-    def predict(self, replica: ReplicaState, features: RequestFeatures) -> Prediction:
+    def predict(self, replica: ReplicaState, features: RequestFeatures, snapshot_backlog: int = 0) -> Prediction:
+        """`snapshot_backlog`: requests held in the gateway's admission queue when it is taken."""
         pool = replica.pool
         prompt = max(features.prompt_tokens, 1)
         output = self.expected_output(features)
@@ -118,39 +123,52 @@ class LatencyModel:
         context = self._mean_context(replica, batch, prompt + output / 2)
         k = self.profile.spec.num_speculative_tokens if pool is Pool.SPECULATIVE else 0
 
-        decode_ms = self._step_ms(pool, batch, context) if batch else 0.0
+        decode_ms = self.step_ms(pool, batch, context) if batch else 0.0
         chunk = max(self.max_num_batched_tokens - batch * (1 + k), 1)
 
         def prefill_ms(tokens: int) -> float:
             full_steps, last = divmod(tokens, chunk)
-            ms = full_steps * self._step_ms(pool, batch, context, chunk) if full_steps else 0.0
-            return ms + (self._step_ms(pool, batch, context, last) if last else 0.0)
+            ms = full_steps * self.step_ms(pool, batch, context, chunk) if full_steps else 0.0
+            return ms + (self.step_ms(pool, batch, context, last) if last else 0.0)
 
         ttft = 0.5 * decode_ms + prefill_ms(max(replica.prefill_tokens, 0) + prompt)
 
-        joined = self._step_ms(pool, batch + 1, context)
+        joined = self.step_ms(pool, batch + 1, context)
         if pool is Pool.SPECULATIVE:
             tokens_per_step = max(replica.tokens_per_step or self.profile.spec.expected_tokens_per_step(), 1.0)
         else:
             tokens_per_step = 1.0
         correction = replica.tpot_correction
         # What prefilling one prompt token costs the decoding batch, in the replica's real time:
-        # the rate of prompt tokens is measured in real time too.
-        per_token_ms = max(self._step_ms(pool, batch + 1, context, prompt) - joined, 0.0) / prompt * correction
-        prefill_share = min(replica.prefill_tokens_per_s * per_token_ms / 1e3, MAX_PREFILL_SHARE)
-        # One arriving prompt stalls decoding for its own prefill: the mean prompt arriving there.
+        # the rate of prompts is measured in real time too.
+        per_token_ms = max(self.step_ms(pool, batch + 1, context, prompt) - joined, 0.0) / prompt * correction
         arriving = replica.prefill_tokens_per_s / replica.arrivals_per_s if replica.arrivals_per_s > 0 else prompt
-        tpot = joined / tokens_per_step / (1.0 - prefill_share)
+        stall_ms = arriving * per_token_ms
+        decode_tpot = joined / tokens_per_step * correction
+        ttft_ms = ttft * replica.ttft_correction
+        gaps = max(output - 1, 1)
+        # Prompts arriving while this request waits for its first token, and while it decodes,
+        # each stall its decoding once: at the replica's recent rate, over a life that the stalls
+        # themselves lengthen (so TPOT is divided by 1 - the share of time spent prefilling).
+        rate = replica.arrivals_per_s
+        share = min(rate * stall_ms / 1e3, MAX_PREFILL_SHARE)
+        tpot = (decode_tpot + rate * ttft_ms / 1e3 * stall_ms / gaps) / (1.0 - share)
+        stalls = rate * (ttft_ms + tpot * gaps) / 1e3
+        if snapshot_backlog:
+            # With requests held in the gateway every departure is replaced at once, whatever the
+            # recent rate says: each of the B + 1 requests is replaced about once in this one's life.
+            stalls = max(stalls, batch + 1.0)
+            tpot = max(tpot, decode_tpot + stalls * stall_ms / gaps)
         stay_steps = math.ceil(output / tokens_per_step)
         stall = prefill_ms(prompt) - decode_ms * math.ceil(prompt / chunk)  # what this prompt does to others
         harm = batch * (max(stall, 0.0) + max(joined - decode_ms, 0.0) * stay_steps) if batch else 0.0
         return Prediction(
-            ttft_ms=ttft * replica.ttft_correction,
-            tpot_ms=tpot * correction,
+            ttft_ms=ttft_ms,
+            tpot_ms=tpot,
             harm_ms=harm * correction,
-            decode_tpot_ms=joined / tokens_per_step * correction,
-            stall_ms=arriving * per_token_ms,
-            stalls_per_s=replica.arrivals_per_s,
+            decode_tpot_ms=decode_tpot,
+            stall_ms=stall_ms,
+            stalls=stalls,
             output_tokens=output,
         )
 
@@ -169,10 +187,7 @@ class LatencyModel:
             return 0.0
         if prediction.stall_ms <= 0:
             return 1.0
-        allowed = int(room_ms // prediction.stall_ms)
-        exposed_ms = prediction.ttft_ms + prediction.decode_tpot_ms * gaps
-        expected = prediction.stalls_per_s * exposed_ms / 1e3
-        return _poisson_cdf(allowed, expected)
+        return _poisson_cdf(int(room_ms // prediction.stall_ms), prediction.stalls)
 
 
 def _poisson_cdf(k: int, mean: float) -> float:

@@ -15,8 +15,9 @@ from msgspec import Meta
 
 from specgate.calibration.modes import Pool
 from specgate.policies.adaptive import Adaptive, AdaptiveParams
+from specgate.policies.admission import Admission
 from specgate.policies.baselines import Forced, LeastLoaded, PoolOnly, RoundRobin, Threshold
-from specgate.policies.decision import Decision, Policy, Shed, Shedding
+from specgate.policies.decision import Policy, Shedding, Verdict
 from specgate.policies.features import RequestFeatures, SloTargets
 from specgate.policies.latency_model import LatencyModel
 from specgate.validation import Invalid, convert
@@ -38,6 +39,7 @@ class Knobs:
 
     shedding: Shedding = field(default_factory=Shedding)
     exploration: float = 0.02
+    admission: Admission = field(default_factory=Admission)
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,9 @@ class PolicyKind:
 
 
 POLICIES: Mapping[str, PolicyKind] = {
-    "adaptive": PolicyKind(AdaptiveParams, lambda m, p, k: Adaptive(m, p, k.shedding, k.exploration), sheds=True),
+    "adaptive": PolicyKind(
+        AdaptiveParams, lambda m, p, k: Adaptive(m, p, k.shedding, k.exploration, k.admission), sheds=True
+    ),
     "round-robin": PolicyKind(NoParams, lambda m, _p, _k: RoundRobin(m)),
     "least-loaded": PolicyKind(NoParams, lambda m, _p, _k: LeastLoaded(m)),
     "speculative-only": PolicyKind(NoParams, lambda m, _p, _k: PoolOnly(m, Pool.SPECULATIVE)),
@@ -94,11 +98,13 @@ class RoutingPlan:
     pool_weights: Mapping[Pool, float] = field(default_factory=dict)
     drained: frozenset[Pool] = frozenset()
     """Pools that take no new requests: an operator's kill switch."""
+    admission: Admission = field(default_factory=Admission)
+    """How requests the policy holds wait in the gateway."""
 
     def slo_for(self, request_class: str) -> SloTargets:
         return self.slo_classes.get(request_class, self.slo)
 
-    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Decision | Shed | None:
+    def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Verdict:
         if self.drained or self.pool_weights:
             snapshot = snapshot.steered(self.pool_weights, self.drained)
         if features.forced_pool is not None and self.allow_pool_override:

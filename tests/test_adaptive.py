@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import A100_CODELLAMA_34B
 from specgate.policies.adaptive import Adaptive
-from specgate.policies.decision import Decision, Shed, Shedding
+from specgate.policies.admission import Admission
+from specgate.policies.decision import Decision, Hold, Shed, Shedding
 from specgate.policies.features import RequestFeatures
 from specgate.policies.latency_model import LatencyModel
 from specgate.policies.registry import POLICY_NAMES, Knobs, build_policy
@@ -47,12 +48,6 @@ ONE_LATE = Snapshot((state("plain-0", Pool.PLAIN, 250), state("plain-1", Pool.PL
         (IDLE, replace(FEATURES, slo_tpot_ms=25.0), "spec-0", "meets-slo"),
         # the speculative replica's batch is large: plain
         (SPEC_BUSY, FEATURES, "plain-0", "meets-slo"),
-        # nothing meets the SLO: best effort where it costs least
-        (ALL_SLOW, replace(FEATURES, slo_tpot_ms=20.0), "plain-0", "best-effort"),
-        # a request that likely misses its TTFT anywhere joins the replica that is late already,
-        # not the one whose requests it would slow past their targets (its 127 ms TTFT there
-        # is 97% of the target: a 30% chance)
-        (ONE_LATE, replace(FEATURES, slo_ttft_ms=127.0 / 0.97), "plain-0", "best-effort"),
         # no SLO at all: the fastest completion
         (IDLE, replace(FEATURES, slo_ttft_ms=None, slo_tpot_ms=None), "spec-0", "fastest"),
     ],
@@ -65,6 +60,49 @@ def test_decision_table(snapshot: Snapshot, features: RequestFeatures, chosen: s
     assert decision.predicted_tpot_ms is not None
 
 
+NO_QUEUE = Admission(enabled=False)
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "features", "chosen"),
+    [
+        # nothing meets the SLO anywhere: where it costs the others least
+        (ALL_SLOW, replace(FEATURES, slo_tpot_ms=20.0), "plain-0"),
+        # a request that likely misses its TTFT everywhere but has some chance on plain-1 (its
+        # 127 ms TTFT there is 97% of the target: a 30% chance) takes that chance, not a certain miss
+        (ONE_LATE, replace(FEATURES, slo_ttft_ms=127.0 / 0.97), "plain-1"),
+    ],
+)
+def test_best_effort_without_the_admission_queue(snapshot: Snapshot, features: RequestFeatures, chosen: str) -> None:
+    decision = Adaptive(MODEL, exploration=0.0, admission=NO_QUEUE).decide(features, snapshot)
+    assert isinstance(decision, Decision)
+    assert (decision.replica.name, decision.reason) == (chosen, "best-effort")
+
+
+def test_a_request_no_replica_can_serve_in_time_now_waits_in_the_gateway() -> None:
+    # every replica is busy, but an idle one would meet the targets: hold it
+    assert Adaptive(MODEL).decide(FEATURES, ALL_SLOW) == Hold("queued")
+
+
+def test_a_request_no_replica_could_serve_even_idle_is_refused_at_once() -> None:
+    hopeless = replace(FEATURES, prompt_tokens=12_000, slo_ttft_ms=300.0)  # its prefill alone takes seconds
+    verdict = Adaptive(MODEL).decide(hopeless, IDLE)
+    assert isinstance(verdict, Shed)
+    assert (verdict.reason, verdict.retry_after_s) == ("slo-infeasible", None)
+    assert "x-slo-ttft-ms 300.0" in verdict.detail
+    # told not to refuse, the gateway keeps it until its wait (3 x 300 ms) runs out
+    kept = Adaptive(MODEL, admission=Admission(refuse_infeasible=False)).decide(hopeless, IDLE)
+    assert kept == Hold("best-effort")
+
+
+def test_a_request_past_its_ttft_target_is_served_best_effort_only_where_it_delays_no_one() -> None:
+    waited = replace(FEATURES, waited_ms=1990.0)  # 10 ms of its 2 s target left: lost
+    served = Adaptive(MODEL).decide(waited, IDLE)
+    assert isinstance(served, Decision)
+    assert served.reason == "best-effort"  # an idle replica serves it well within 3 x 2 s
+    assert Adaptive(MODEL).decide(waited, ALL_SLOW) == Hold("best-effort")
+
+
 def test_exploration_sends_the_configured_share_to_the_other_pool() -> None:
     policy = Adaptive(MODEL, exploration=0.1)
     reasons = [policy.decide(replace(FEATURES, sequence=i), IDLE) for i in range(1000)]
@@ -75,10 +113,10 @@ def test_exploration_sends_the_configured_share_to_the_other_pool() -> None:
 
 @pytest.mark.parametrize(("priority", "shed"), [(-1, True), (0, False), (5, False)])
 def test_shedding_only_when_enabled_and_priority_allows(priority: int, shed: bool) -> None:
-    hopeless = replace(FEATURES, slo_tpot_ms=5.0, priority=priority)
-    decision = Adaptive(MODEL, shedding=Shedding(enabled=True, below_priority=0)).decide(hopeless, ALL_SLOW)
-    assert isinstance(decision, Shed) is shed
-    assert isinstance(Adaptive(MODEL).decide(hopeless, ALL_SLOW), Decision)  # shedding off by default
+    busy = replace(FEATURES, priority=priority)  # no replica meets it now; an idle one would
+    verdict = Adaptive(MODEL, shedding=Shedding(enabled=True, below_priority=0)).decide(busy, ALL_SLOW)
+    assert verdict == (Shed("slo-unattainable", 1.0, "no replica can meet its SLOs now") if shed else Hold("queued"))
+    assert Adaptive(MODEL).decide(busy, ALL_SLOW) == Hold("queued")  # shedding off by default
 
 
 @pytest.mark.parametrize(
@@ -157,7 +195,9 @@ def test_every_policy_returns_a_healthy_replica_and_never_raises(
         assert decision.replica in replicas
         assert decision.predicted_ttft_ms is not None
         assert decision.predicted_ttft_ms >= 0
+    elif isinstance(decision, Shed):  # shedding a low priority, or SLOs no idle replica could meet
+        shedding = decision.reason == "slo-unattainable" and shed and request.priority < 0
+        assert shedding or (decision.reason == "slo-infeasible" and decision.retry_after_s is None)
     else:
-        assert isinstance(decision, Shed)
-        assert shed
-        assert request.priority < 0
+        assert decision in (Hold("queued"), Hold("best-effort"))
+        assert name == "adaptive"

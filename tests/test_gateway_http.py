@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from specgate.gateway.app import make_app
 from specgate.gateway.config import GatewaySettings, Timeouts
 from specgate.policies.decision import Shedding
 from specgate.policies.document import PolicyDocument
-from specgate.testing import SimProcess, running_app
+from specgate.testing import SimProcess, running_app, sample_value
 from specgate.workers import launch
 from specgate.workers.pools import FleetSettings
 
@@ -186,24 +187,89 @@ async def test_bad_requests_get_openai_errors(
     assert payload["error"]["param"] == param
 
 
+@contextlib.asynccontextmanager
+async def busy_plain_replica(sim_factory: SimFactory, policy: PolicyDocument) -> AsyncIterator[str]:
+    """A gateway in front of one plain replica in real time, 40 streams on it for about 3 s: its
+    batch too large for a 40 ms TPOT (the profile's step at batch 41 is about 43 ms) until they end."""
+    replica = sim_factory("--mode", "plain", "--model", MODEL)
+    long = {"model": MODEL, "messages": MESSAGES, "max_tokens": 70, "ignore_eos": True, "stream": True}
+    settings = settings_for({Pool.PLAIN: [replica.url]}, policy=policy)
+    async with running_gateway(settings) as url, aiohttp.ClientSession() as session:
+        streams = [await session.post(f"{url}/v1/chat/completions", json=long) for _ in range(40)]
+        try:
+            for stream in streams:
+                await stream.content.readline()
+            yield url
+        finally:
+            for stream in streams:
+                stream.close()
+
+
 @pytest.mark.parametrize(("priority", "status"), [("-1", 429), ("0", 200)])
-async def test_adaptive_sheds_hopeless_low_priority_requests(
-    fleet: dict[Pool, list[SimProcess]], priority: str, status: int
+async def test_adaptive_sheds_low_priority_requests_it_cannot_serve_now(
+    sim_factory: SimFactory, priority: str, status: int
 ) -> None:
     policy = PolicyDocument(shedding=Shedding(enabled=True, below_priority=0, retry_after_s=3))
-    hopeless = {"x-slo-tpot-ms": "1", "x-priority": priority}
+    async with busy_plain_replica(sim_factory, policy) as url, aiohttp.ClientSession() as session:
+        headers = {"x-slo-tpot-ms": "40", "x-priority": priority}
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5}
+        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == status
+            answer = await r.json()
+            if status == 429:
+                assert r.headers["Retry-After"] == "3"
+                assert answer["error"]["code"] == "slo_unattainable"
+            else:  # held in the gateway until it could be served, not refused
+                assert r.headers["x-route-reason"] == "meets-slo"
+
+
+async def test_admission_queue_holds_then_serves_and_refuses_past_the_deadline(sim_factory: SimFactory) -> None:
+    async with busy_plain_replica(sim_factory, PolicyDocument()) as url, aiohttp.ClientSession() as session:
+        chat = f"{url}/v1/chat/completions"
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5}
+        held = asyncio.create_task(session.post(chat, json=body, headers={"x-slo-tpot-ms": "40"}))
+        await asyncio.sleep(0.3)
+        assert await gateway_sample(url, "specgate_queue_depth") == 1.0
+        # a 100 ms TTFT target while the batch is full: refused once three times that have passed
+        started = time.monotonic()
+        async with session.post(chat, json=body, headers={"x-slo-tpot-ms": "40", "x-slo-ttft-ms": "100"}) as r:
+            assert r.status == 429
+            assert (await r.json())["error"]["code"] == "deadline"
+            assert "Retry-After" in r.headers
+        assert 0.3 <= time.monotonic() - started < 1.0
+        response = await held  # served once the streams end
+        assert response.status == 200
+        assert response.headers["x-route-reason"] == "meets-slo"
+        await response.read()
+        assert await gateway_sample(url, "specgate_queue_dropped_total", reason="deadline") == 1.0
+        assert await gateway_sample(url, "specgate_queue_depth") == 0.0
+
+
+async def gateway_sample(url: str, name: str, **labels: str) -> float | None:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+        return sample_value(await r.text(), name, **labels)
+
+
+async def test_a_request_no_replica_could_serve_even_idle_is_refused_at_once(gateway: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 40_000}], "max_tokens": 5}
     async with (
-        running_gateway(settings_for(urls(fleet), policy=policy)) as url,
         aiohttp.ClientSession() as session,
-        session.post(f"{url}/v1/chat/completions", data=GOOD, headers=hopeless) as r,
+        session.post(f"{gateway}/v1/chat/completions", json=body, headers={"x-slo-ttft-ms": "100"}) as r,
     ):
-        assert r.status == status
-        body = await r.json()
-        if status == 429:
-            assert r.headers["Retry-After"] == "3"
-            assert body["error"]["code"] == "slo_unattainable"
-        else:
-            assert r.headers["x-route-reason"] == "best-effort"
+        assert r.status == 400
+        error = (await r.json())["error"]
+    assert error["code"] == "slo_infeasible"
+    assert "x-slo-ttft-ms 100.0" in error["message"]
+
+
+async def test_a_prompt_past_every_replicas_context_window_is_refused_before_a_replica(gateway: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 80_000}], "max_tokens": 5}
+    async with aiohttp.ClientSession() as session, session.post(f"{gateway}/v1/chat/completions", json=body) as r:
+        assert r.status == 400
+        error = (await r.json())["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["param"] == "messages"
+    assert "16384" in error["message"]
 
 
 async def test_replica_errors_pass_through_unchanged(gateway: str, fleet: dict[Pool, list[SimProcess]]) -> None:

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from specgate.bench.offline import Fleetspec, Scenario, attainable, policy_document, simulate
+from specgate.bench.offline import TOO_LONG, Fleetspec, Scenario, attainable, policy_document, simulate
 from specgate.bench.traces import TraceError, TraceRequest, read_trace, scaled
 from specgate.calibration.profiles import A100_CODELLAMA_34B
 from specgate.cli import main
 from specgate.policies.decision import Shedding
 from specgate.policies.document import DocumentError
+from specgate.policies.features import SloTargets
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 
@@ -49,7 +50,7 @@ def test_every_request_is_served_or_shed_and_runs_repeat(policy: str) -> None:
     scenario = Scenario(A100_CODELLAMA_34B, Fleetspec(2, 2), policy, slo_ttft_ms=2000, slo_tpot_ms=50)
     first = simulate(synthetic(), scenario)
     assert first.requests == 120
-    assert len(first.served) + first.shed == 120
+    assert first.requests == len(first.served) + sum(first.refused.values()) == 120
     summary = first.summary()
     assert 0.0 <= summary["slo_attainment"] <= 1.0
     assert simulate(synthetic(), scenario).summary() == summary  # deterministic
@@ -67,9 +68,13 @@ def test_load_hurts_and_the_true_length_helps_no_worse() -> None:
 
 def test_clairvoyant_bound() -> None:
     trace = synthetic()
-    assert attainable(trace, A100_CODELLAMA_34B, None, None) == 1.0
-    assert attainable(trace, A100_CODELLAMA_34B, 10.0, None) == 0.0  # no prefill is that fast
-    assert 0.0 < attainable(trace, A100_CODELLAMA_34B, 2000.0, 20.0) <= 1.0  # only speculation meets 20 ms
+
+    def bound(ttft_ms: float | None, tpot_ms: float | None) -> float:
+        return attainable(trace, Scenario(A100_CODELLAMA_34B, Fleetspec(1, 1), "adaptive", ttft_ms, tpot_ms))
+
+    assert bound(None, None) == 1.0
+    assert bound(10.0, None) == 0.0  # no prefill is that fast
+    assert 0.0 < bound(2000.0, 20.0) <= 1.0  # only speculation meets 20 ms
 
 
 def test_bench_offline_command_writes_results_report_and_plots(tmp_path: Path) -> None:
@@ -154,3 +159,42 @@ def test_policy_settings_are_checked_like_a_document(text: str, field: str) -> N
     with pytest.raises(DocumentError) as exc:
         policy_document(text, "whitepaper")
     assert exc.value.field == field
+
+
+def test_prompts_past_the_context_window_are_refused_as_vllm_does_and_counted() -> None:
+    window = A100_CODELLAMA_34B.max_model_len
+    trace = [TraceRequest(i * 1.0, window + i if i % 4 == 0 else 500, 40) for i in range(20)]
+    result = simulate(trace, Scenario(A100_CODELLAMA_34B, Fleetspec(1, 1), "least-loaded", 2000.0, 50.0))
+    assert result.refused == {TOO_LONG: 5}
+    assert len(result.served) == 15
+    summary = result.summary()
+    assert summary["too_long"] == 5
+    assert summary["slo_attainment"] <= 15 / 20  # a refused request meets nothing
+    # one that fits with room to spare still answers in full; one near the window is cut short
+    near = [TraceRequest(0.0, window - 10, 400)]
+    (served,) = simulate(near, Scenario(A100_CODELLAMA_34B, Fleetspec(0, 1), "plain-only")).served
+    assert served.output_tokens == 10
+
+
+def test_under_overload_the_adaptive_policy_holds_and_refuses_instead_of_queueing_everyone_late() -> None:
+    # 1+1 replicas, a request every 30 ms for 12 s: four times what they serve within the SLOs
+    trace = [TraceRequest(i * 0.03, 1000, 150) for i in range(400)]
+    runs = {
+        policy: simulate(trace, Scenario(A100_CODELLAMA_34B, Fleetspec(1, 1), policy, 2000.0, 50.0))
+        for policy in ("adaptive", "least-loaded", "adaptive:admission.enabled=false")
+    }
+    held, fixed, unheld = (runs[p].summary() for p in runs)
+    assert held["slo_attainment"] > fixed["slo_attainment"] + 0.1
+    assert held["slo_attainment"] > unheld["slo_attainment"] + 0.1
+    assert held["ttft_p99_ms"] < 3 * 2000.0  # nobody waits past three times the TTFT target
+    assert set(runs["adaptive"].refused) <= {"deadline", "queue-full"}
+    assert sum(runs["adaptive"].refused.values()) > 0
+    assert fixed["shed"] == 0
+
+
+def test_per_class_targets_apply_to_the_requests_of_each_class() -> None:
+    trace = [TraceRequest(i * 0.5, 500, 60, "batch" if i % 2 else "interactive") for i in range(20)]
+    classes = {"interactive": SloTargets(1.0, None), "batch": SloTargets(60_000.0, None)}
+    result = simulate(trace, Scenario(A100_CODELLAMA_34B, Fleetspec(1, 1), "least-loaded", slo_classes=classes))
+    assert {s.slo for s in result.served} == set(classes.values())
+    assert result.summary()["slo_attainment"] == 0.5  # no first token comes within 1 ms

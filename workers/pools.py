@@ -76,6 +76,8 @@ class Replica:
         self.dispatched = 0
         self.failures = 0
         self.load: VllmLoad | None = None
+        self.max_model_len: int | None = None
+        """The context window the replica's /v1/models reports, read when it is admitted."""
         self.scraped_at: float | None = None
         self.tokens_per_step: float | None = None
         self.recent_drafts = 0.0
@@ -195,7 +197,21 @@ class Replica:
             observed_tpot_s=self.observed_tpot_s,
             ttft_correction=self.ttft_correction if ttft_correction is None else ttft_correction,
             tpot_correction=self.tpot_correction if tpot_correction is None else tpot_correction,
+            max_model_len=self.max_model_len,
         )
+
+
+async def _max_model_len(session: aiohttp.ClientSession, url: str, limit: aiohttp.ClientTimeout) -> int | None:
+    """vLLM's /v1/models `max_model_len` of the replica's first model; None when it does not say."""
+    try:
+        async with session.get(f"{url}/v1/models", timeout=limit) as response:
+            if response.status != 200:
+                return None
+            body = await response.json(content_type=None)
+        value = body["data"][0]["max_model_len"]
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 class Fleet:
@@ -210,7 +226,7 @@ class Fleet:
                 name = f"{prefix[pool]}-{i}"
                 self.replicas[name] = Replica(name, url, pool, settings)
 
-    def snapshot(self, now: float) -> Snapshot:
+    def snapshot(self, now: float, backlog: int = 0) -> Snapshot:
         """Every replica's state; latency corrections and acceptance are pooled per pool.
 
         Replicas of one pool run the same engine on the same hardware and serve the same mix of
@@ -230,7 +246,7 @@ class Fleet:
             pool: (ttft / n, tpot / n, 1.0 + accepted / drafts if drafts > 0 else None)
             for pool, (ttft, tpot, n, drafts, accepted) in sums.items()
         }
-        return Snapshot(tuple(r.state(now, *pooled[r.pool]) for r in self.replicas.values()))
+        return Snapshot(tuple(r.state(now, *pooled[r.pool]) for r in self.replicas.values()), backlog)
 
     @staticmethod
     def scrape_age(replica: Replica) -> float:
@@ -244,8 +260,8 @@ class Fleet:
 
     async def scrape_once(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         dispatched = replica.dispatched
+        timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
         try:
-            timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
             async with session.get(f"{replica.url}/metrics", timeout=timeout) as response:
                 if response.status != 200:
                     raise MetricsFormatError(f"/metrics answered {response.status}")
@@ -254,6 +270,8 @@ class Fleet:
         except (aiohttp.ClientError, TimeoutError, MetricsFormatError, UnicodeDecodeError) as exc:
             replica.failed(f"scrape failed: {exc!r}")
             return
+        if not replica.healthy:  # admitted now: (re)read what it serves, it may have restarted with other flags
+            replica.max_model_len = await _max_model_len(session, replica.url, timeout)
         replica.scraped(load, time.monotonic(), dispatched)
 
     async def scrape_forever(self, session: aiohttp.ClientSession, replica: Replica) -> None:

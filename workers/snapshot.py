@@ -42,9 +42,18 @@ class ReplicaState:
     ttft_correction: float = 1.0
     """Observed over predicted TTFT on this replica, smoothed: multiplies the model's prediction."""
     tpot_correction: float = 1.0
+    max_model_len: int | None = None
+    """The replica's context window (its /v1/models), once read."""
     weight: float = 1.0
     """The operator's preference for the replica's pool (policy document): policies divide its
     load and its predicted completion by it, so a pool of weight 2 takes about twice the share."""
+
+    def idle(self) -> ReplicaState:
+        """The same replica with nothing on it: what a request could get at best there."""
+        return replace(
+            self, in_flight=0, prefilling=0, prefill_tokens=0, prefill_tokens_per_s=0.0, arrivals_per_s=0.0,
+            dispatched_since_scrape=0, running=None, waiting=None, kv_usage=None,
+        )  # fmt: skip
 
     @property
     def load(self) -> float:
@@ -57,19 +66,28 @@ class ReplicaState:
 @dataclass(frozen=True)
 class Snapshot:
     replicas: tuple[ReplicaState, ...]
+    backlog: int = 0
+    """Requests held in the gateway's admission queue: while there are any, every replica that
+    frees a slot gets a new request at once."""
 
     def healthy(self, pool: Pool | None = None) -> tuple[ReplicaState, ...]:
         return tuple(r for r in self.replicas if r.healthy and (pool is None or r.pool is pool))
 
+    def fitting(self, prompt_tokens: int) -> Snapshot:
+        """Without the replicas whose context window leaves no room for an answer to the prompt."""
+        fits = tuple(r for r in self.replicas if r.max_model_len is None or prompt_tokens < r.max_model_len)
+        return replace(self, replicas=fits)
+
     def without(self, names: frozenset[str]) -> Snapshot:
-        return Snapshot(tuple(r for r in self.replicas if r.name not in names))
+        return replace(self, replicas=tuple(r for r in self.replicas if r.name not in names))
 
     def steered(self, weights: Mapping[Pool, float], drained: frozenset[Pool]) -> Snapshot:
         """Without the drained pools' replicas, and with each pool's weight on its replicas."""
-        return Snapshot(
-            tuple(
+        return replace(
+            self,
+            replicas=tuple(
                 replace(r, weight=weights.get(r.pool, 1.0)) if weights.get(r.pool, 1.0) != r.weight else r
                 for r in self.replicas
                 if r.pool not in drained
-            )
+            ),
         )
