@@ -256,7 +256,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             sequence=index,
         )
         waiting[index] = (request, features)
-        settle(index, plan.decide(features, fleet.snapshot(now, len(queue))), now)
+        settle(index, plan.decide(features, fleet.snapshot(now)), now)
 
     def settle(index: int, verdict: Verdict, now: float) -> None:
         request, features = waiting[index]
@@ -280,7 +280,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
 
     def review(now: float) -> None:
         if len(queue):
-            for index, verdict in queue.review(now, lambda _, f: plan.decide(f, fleet.snapshot(now, len(queue)))):
+            for index, verdict in queue.review(now, lambda _, f: plan.decide(f, fleet.snapshot(now))):
                 settle(index, verdict, now)
 
     def schedule_review(now: float) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,8 @@ from specgate.policies.features import RequestFeatures
 from specgate.workers.pools import Fleet
 
 REVIEW_INTERVAL_S = 0.05
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -61,7 +64,11 @@ class AdmissionControl:
             self._wake.set()
 
     def _decide(self, held: _Held, features: RequestFeatures) -> Verdict:
-        return held.journey.plan.decide(features, self.fleet.snapshot(time.monotonic(), len(self.queue)))
+        try:
+            return held.journey.plan.decide(features, self.fleet.snapshot(time.monotonic()))
+        except Exception:  # a bug must fail this request (503), not leave it waiting for ever
+            _log.exception("deciding for a held request failed")
+            return None
 
     async def review(self) -> None:
         for held, verdict in self.queue.review(time.monotonic(), self._decide):

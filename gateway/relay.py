@@ -120,7 +120,7 @@ class Relay:
         plan = journey.plan
         failure: GatewayError | None = None
         for number in range(MAX_ATTEMPTS):
-            snapshot = self._fitting(journey, self.fleet.snapshot(time.monotonic(), len(self.admission.queue)))
+            snapshot = self._fitting(journey, self.fleet.snapshot(time.monotonic()))
             if journey.tried:
                 snapshot = snapshot.without(frozenset(journey.tried))
             verdict = plan.decide(journey.features, snapshot)

@@ -82,7 +82,7 @@ class Adaptive:
         output = self.model.expected_output(features)
         options = []
         for replica in snapshot.healthy():
-            p = self.model.predict(replica, features, snapshot.backlog)
+            p = self.model.predict(replica, features)
             score = (p.completion_ms(output) + self.params.harm_weight * p.harm_ms) / replica.weight
             options.append(_Option(replica, p, self.chance(p, ttft_ms, features.slo_tpot_ms), score))
         return options
@@ -109,11 +109,16 @@ class Adaptive:
         admission = self.admission
         if not admission.enabled:
             return self._best_effort(options)
-        # Could an idle replica still meet the targets, with what is left of the TTFT one?
+        # What could an idle replica offer, with what is left of the TTFT target?
         idle = {o.replica.pool: o.replica for o in options}
         reachable = max(self.chance(self.model.predict(r.idle(), features), remaining, features.slo_tpot_ms)
                         for r in idle.values())  # fmt: skip
         if reachable > 0:
+            # Waiting pays only while a replica could offer more than the best one offers now:
+            # when even an idle one offers a long shot, the best long shot now is as good.
+            best = max(options, key=lambda o: (o.chance, -o.score))
+            if best.chance > 0 and best.chance >= min(self.params.min_chance, reachable) * (1 - self.params.tolerance):
+                return self._decision(best, "best-chance")
             return Hold("queued")  # one may soon: wait in the gateway, not in a replica's queue
         if not features.waited_ms and admission.refuse_infeasible:
             return Shed("slo-infeasible", None, self._infeasible(features, idle.values()))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from specgate.calibration.costs import Batch
 from specgate.calibration.modes import Pool
@@ -34,6 +35,11 @@ from specgate.policies.length import PRIORS, band
 from specgate.workers.snapshot import ReplicaState
 
 MAX_PREFILL_SHARE = 0.9
+STEP_SPREAD = 0.03
+"""Relative spread of a request's stall-free TPOT that the batch and contexts alone cause."""
+# Gauss-Hermite nodes and weights for an expectation over a standard normal, five points.
+_NORMAL_NODES = ((0.0, 0.533333), (1.355626, 0.222076), (-1.355626, 0.222076), (2.856970, 0.011257),
+                 (-2.856970, 0.011257))  # fmt: skip
 CONTEXT_QUANTUM = 32
 MEMO_SIZE = 65536
 
@@ -50,6 +56,9 @@ class Prediction:
     """How long one arriving prompt stalls the replica's decoding (the mean prompt arriving there)."""
     stalls: float = 0.0
     """How many prompts are expected to stall this request between its arrival and its end."""
+    spread: float = 0.0
+    """Relative spread (standard deviation) of the stall-free TPOT from request to request: on a
+    speculative replica, requests accept the drafts at different rates."""
     output_tokens: int = 1
     """The output length the prediction assumed."""
 
@@ -114,8 +123,7 @@ class LatencyModel:
         capacity = self.profile.spec.kv_capacity_tokens if spec else self.profile.kv_capacity_tokens
         return max(replica.kv_usage * capacity / batch, 1.0)
 
-    def predict(self, replica: ReplicaState, features: RequestFeatures, snapshot_backlog: int = 0) -> Prediction:
-        """`snapshot_backlog`: requests held in the gateway's admission queue when it is taken."""
+    def predict(self, replica: ReplicaState, features: RequestFeatures) -> Prediction:
         pool = replica.pool
         prompt = max(features.prompt_tokens, 1)
         output = self.expected_output(features)
@@ -154,11 +162,6 @@ class LatencyModel:
         share = min(rate * stall_ms / 1e3, MAX_PREFILL_SHARE)
         tpot = (decode_tpot + rate * ttft_ms / 1e3 * stall_ms / gaps) / (1.0 - share)
         stalls = rate * (ttft_ms + tpot * gaps) / 1e3
-        if snapshot_backlog:
-            # With requests held in the gateway every departure is replaced at once, whatever the
-            # recent rate says: each of the B + 1 requests is replaced about once in this one's life.
-            stalls = max(stalls, batch + 1.0)
-            tpot = max(tpot, decode_tpot + stalls * stall_ms / gaps)
         stay_steps = math.ceil(output / tokens_per_step)
         stall = prefill_ms(prompt) - decode_ms * math.ceil(prompt / chunk)  # what this prompt does to others
         harm = batch * (max(stall, 0.0) + max(joined - decode_ms, 0.0) * stay_steps) if batch else 0.0
@@ -169,8 +172,22 @@ class LatencyModel:
             decode_tpot_ms=decode_tpot,
             stall_ms=stall_ms,
             stalls=stalls,
+            spread=self._spec_spread if pool is Pool.SPECULATIVE else STEP_SPREAD,
             output_tokens=output,
         )
+
+    @cached_property
+    def _spec_spread(self) -> float:
+        """Relative spread of a speculative request's stall-free TPOT: its acceptance, one standard
+        deviation either side of the profile's mean (requests draw theirs from a Beta around it),
+        moves its tokens per step; with the batch's own spread on top."""
+        spec = self.profile.spec
+        mean, c = spec.acceptance_mean, spec.acceptance_concentration
+        sd = math.sqrt(mean * (1 - mean) / (c + 1)) if c > 0 else 0.0
+        low, high = max(mean - sd, 0.0), min(mean + sd, 0.999)
+        steps = spec.expected_tokens_per_step
+        acceptance = (steps(high) - steps(low)) / 2 / steps(mean)
+        return math.hypot(acceptance, STEP_SPREAD)
 
     def tpot_met_probability(self, prediction: Prediction, slo_tpot_ms: float) -> float:
         """The chance this request's TPOT stays within `slo_tpot_ms`.
@@ -179,15 +196,23 @@ class LatencyModel:
         TPOT far from the mean. They are counted as a Poisson number of prompts arriving while it
         waits for its first token (those queue behind it and are prefilled as it starts decoding)
         and while it decodes; the answer meets its TPOT if at most k of them land, with k what the
-        target leaves room for above the stall-free TPOT.
+        target leaves room for above the stall-free TPOT, averaged over how that TPOT spreads from
+        request to request.
         """
         gaps = max(prediction.output_tokens - 1, 1)
-        room_ms = (slo_tpot_ms - prediction.decode_tpot_ms) * gaps
-        if room_ms < 0:
-            return 0.0
-        if prediction.stall_ms <= 0:
-            return 1.0
-        return _poisson_cdf(int(room_ms // prediction.stall_ms), prediction.stalls)
+        chance = 0.0
+        for z, weight in _NORMAL_NODES:
+            decode_ms = prediction.decode_tpot_ms * math.exp(prediction.spread * z)
+            room_ms = (slo_tpot_ms - decode_ms) * gaps
+            if room_ms < 0:
+                continue
+            met = (
+                1.0
+                if prediction.stall_ms <= 0
+                else _poisson_cdf(int(room_ms // prediction.stall_ms), prediction.stalls)
+            )
+            chance += weight * met
+        return min(chance / sum(w for _, w in _NORMAL_NODES), 1.0)
 
 
 def _poisson_cdf(k: int, mean: float) -> float:

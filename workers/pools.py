@@ -226,7 +226,7 @@ class Fleet:
                 name = f"{prefix[pool]}-{i}"
                 self.replicas[name] = Replica(name, url, pool, settings)
 
-    def snapshot(self, now: float, backlog: int = 0) -> Snapshot:
+    def snapshot(self, now: float) -> Snapshot:
         """Every replica's state; latency corrections and acceptance are pooled per pool.
 
         Replicas of one pool run the same engine on the same hardware and serve the same mix of
@@ -246,7 +246,7 @@ class Fleet:
             pool: (ttft / n, tpot / n, 1.0 + accepted / drafts if drafts > 0 else None)
             for pool, (ttft, tpot, n, drafts, accepted) in sums.items()
         }
-        return Snapshot(tuple(r.state(now, *pooled[r.pool]) for r in self.replicas.values()), backlog)
+        return Snapshot(tuple(r.state(now, *pooled[r.pool]) for r in self.replicas.values()))
 
     @staticmethod
     def scrape_age(replica: Replica) -> float:

@@ -66,9 +66,6 @@ class ReplicaState:
 @dataclass(frozen=True)
 class Snapshot:
     replicas: tuple[ReplicaState, ...]
-    backlog: int = 0
-    """Requests held in the gateway's admission queue: while there are any, every replica that
-    frees a slot gets a new request at once."""
 
     def healthy(self, pool: Pool | None = None) -> tuple[ReplicaState, ...]:
         return tuple(r for r in self.replicas if r.healthy and (pool is None or r.pool is pool))
