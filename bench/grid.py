@@ -4,7 +4,8 @@ developed on.
 A cell is one traffic, fleet and SLO configuration: a recorded Azure trace (conversation or code),
 reshaped (`bench.shapes`: arrival shape, prompt-length mix, request classes), an SLO pair, a fleet
 split and a calibrated profile. Each cell runs at several loads, expressed against the fleet's
-estimated capacity (`capacity_rps`: 1 is about where its queues start to grow), and at each load
+estimated capacity within the cell's TPOT target (`capacity_rps`: 1 is about where its SLOs start
+to be missed), and at each load
 every policy routes the same requests; the adaptive policy also runs on the two homogeneous
 fleets of the same size. Per point, the margin is the adaptive policy's SLO attainment minus the
 best fixed rule's on the same fleet.
@@ -40,8 +41,8 @@ HOMOGENEOUS = ("all-speculative", "all-plain")
 LOADS = (0.25, 0.5, 1.0, 2.0, 4.0)
 SLOS = ((300.0, 20.0), (800.0, 40.0), (800.0, 60.0), (2000.0, 50.0), (5000.0, 120.0))
 FLEETS = ((1, 3), (2, 2), (3, 1), (4, 4), (6, 2))
-BATCH_AT_CAPACITY = 32
-"""The batch a replica is taken to run at when the fleet's capacity is estimated."""
+MAX_BATCH = 256
+"""vLLM's default max_num_seqs: the largest batch a replica runs."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,10 @@ def cells(quick: bool = False, extra: int = 12, seed: int = 0) -> list[Cell]:
     return list(unique)
 
 
-def capacity_rps(profile: Profile, fleet: tuple[int, int], trace: Sequence[TraceRequest]) -> float:
-    """Requests per second the fleet serves with every replica at `BATCH_AT_CAPACITY`: each
-    request's prefill takes the replica alone, its decode shares the steps with the batch."""
+def capacity_rps(profile: Profile, fleet: tuple[int, int], trace: Sequence[TraceRequest], tpot_ms: float) -> float:
+    """Requests per second the fleet serves within a TPOT target: each replica at the batch that
+    serves the most while a request's TPOT (the step time, plus the prefills of the requests that
+    replace the batch's as they end, spread over its answer) stays within the target."""
     model = LatencyModel(profile)
     fitting = [r for r in trace if r.prompt_tokens < profile.max_model_len] or list(trace)
     prompt = statistics.fmean(min(r.prompt_tokens, profile.max_model_len - 1) for r in fitting)
@@ -102,9 +104,14 @@ def capacity_rps(profile: Profile, fleet: tuple[int, int], trace: Sequence[Trace
     total = 0.0
     for pool, count in zip(Pool, fleet, strict=True):
         per_step = profile.spec.expected_tokens_per_step() if pool is Pool.SPECULATIVE else 1.0
-        step = model.step_ms(pool, BATCH_AT_CAPACITY, prompt + output / 2)
-        prefill = model.step_ms(pool, 0, prompt, round(prompt))
-        total += count * 1e3 / (prefill + output * step / per_step / BATCH_AT_CAPACITY)
+        stall = model.step_ms(pool, 1, prompt, round(prompt)) - model.step_ms(pool, 1, prompt)
+        best = 0.0
+        for batch in range(1, MAX_BATCH + 1):
+            tpot = model.step_ms(pool, batch, prompt + output / 2) / per_step + batch * stall / output
+            if tpot > tpot_ms and best:
+                break
+            best = max(best, batch * 1e3 / (output * tpot))
+        total += count * best
     return total
 
 
@@ -144,7 +151,7 @@ def run(job: Job) -> dict[str, object]:
     trace = traffic(job.cell, Path(job.trace_path), job.requests, job.seed)
     profile = PROFILES[job.cell.profile]
     span = max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
-    rate = job.load * capacity_rps(profile, job.cell.fleet, trace)
+    rate = job.load * capacity_rps(profile, job.cell.fleet, trace, job.cell.slo[1])
     setting = scenario(job.cell, job.policy, job.seed)
     result = simulate(scaled(trace, rate * span / len(trace)), setting)
     return {"cell": job.cell.label, "load": job.load, "policy": job.policy, **result.summary()}

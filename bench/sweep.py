@@ -128,7 +128,9 @@ def report(results: dict[str, object], command: str) -> str:
         f"profile `{results['profile']}`, fleet {results['fleet']}, SLO TTFT {results['slo_ttft_ms']} ms / "
         f"TPOT {results['slo_tpot_ms']} ms, output-length hint: {results['hint']}. Homogeneous fleets have "
         f"the same number of replicas. Clairvoyant bound (every request alone on an idle replica of its "
-        f"better mode): {bound:.3f}.",
+        f"better mode): {bound:.3f}. Refused: answered with an error by the policy (shed, held past its "
+        "wait, or out of reach even idle); too long: prompts past the model's context window, which vLLM "
+        "refuses (they count as missed).",
         "",
         "## SLO attainment (share of requests meeting both SLOs)",
         "",
@@ -144,8 +146,8 @@ def report(results: dict[str, object], command: str) -> str:
         "## Latency (ms) and routing, per load",
         "",
         "| policy | rate | goodput req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | e2e p50 | e2e p99 "
-        "| spec share | shed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| spec share | refused | too long |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rate in rates:
         for policy, runs in table.items():
@@ -156,7 +158,7 @@ def report(results: dict[str, object], command: str) -> str:
             cells += [f"{run[k]:.0f}" for k in ("ttft_p50_ms", "ttft_p99_ms")]
             cells += [f"{run[k]:.1f}" for k in ("tpot_p50_ms", "tpot_p99_ms")]
             cells += [f"{run[k]:.0f}" for k in ("e2e_p50_ms", "e2e_p99_ms")]
-            cells += [f"{run['spec_share']:.2f}", str(run["shed"])]
+            cells += [f"{run['spec_share']:.2f}", str(run["shed"]), str(run.get("too_long", 0))]
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
