@@ -75,10 +75,13 @@ def arrivals(trace: Sequence[TraceRequest], shape: str, seed: int = 0) -> list[T
     cumulative = [0.0]
     for rate in rates:
         cumulative.append(cumulative[-1] + rate * len(trace) / total)
-    out, clock = [], 0.0
-    for request in trace:
-        clock += rng.expovariate(1.0)
-        position = min(clock, cumulative[-1])
+    # Unit-rate Poisson arrivals conditioned on their number: n + 1 exponential gaps scaled to span
+    # the whole intensity, then mapped back to time through it.
+    gaps = [rng.expovariate(1.0) for _ in range(len(trace) + 1)]
+    scale = cumulative[-1] / sum(gaps)
+    out, position = [], 0.0
+    for request, gap in zip(trace, gaps, strict=False):
+        position += gap * scale
         i = min(max(bisect.bisect_left(cumulative, position) - 1, 0), bins - 1)
         within = (position - cumulative[i]) / (cumulative[i + 1] - cumulative[i]) if rates[i] > 0 else 0.0
         out.append(replace(request, arrival_s=(i + within) * span / bins))

@@ -1,0 +1,52 @@
+"""`specgate bench grid`: cells, capacity, and the report of margins."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specgate.bench.grid import FIXED, Cell, capacity_rps, cells
+from specgate.bench.traces import TraceRequest
+from specgate.calibration.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B
+from specgate.cli import main
+
+TRACE = [TraceRequest(i * 0.2, 600 + 50 * (i % 9), 60 + 10 * (i % 5)) for i in range(300)]
+
+
+def test_the_cells_vary_every_factor_and_include_the_reported_hard_cases() -> None:
+    grid = cells()
+    assert Cell() in grid
+    assert len(set(grid)) == len(grid)
+    for factor in ("trace", "arrivals", "prompts", "classes", "slo", "fleet", "profile"):
+        assert len({getattr(c, factor) for c in grid}) > 1, factor
+    assert Cell(arrivals="storms", classes=True, slo=(800.0, 60.0)) in grid
+    assert Cell(prompts="long", fleet=(4, 4), profile="h100-llama31-8b") in grid
+
+
+def test_capacity_grows_with_the_fleet_the_hardware_and_a_looser_target() -> None:
+    small = capacity_rps(A100_CODELLAMA_34B, (1, 1), TRACE, 50.0)
+    assert capacity_rps(A100_CODELLAMA_34B, (2, 2), TRACE, 50.0) == pytest.approx(2 * small)
+    assert capacity_rps(A100_CODELLAMA_34B, (1, 1), TRACE, 120.0) > small
+    assert capacity_rps(H100_LLAMA31_8B, (1, 1), TRACE, 50.0) > 5 * small
+
+
+@pytest.mark.slow
+def test_the_grid_command_writes_margins_a_report_and_a_heat_map(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    rows = "".join(f"{r.arrival_s},{r.prompt_tokens},{r.output_tokens}\n" for r in TRACE[:80])
+    trace.write_text("timestamp_s,input_tokens,output_tokens\n" + rows)
+    out = tmp_path / "grid"
+    args = ["bench", "grid", "--quick", "--conv", str(trace), "--code", str(trace), "--loads", "0.5,3"]
+    assert main([*args, "--requests", "80", "--out", str(out), "--jobs", "2"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["points"]) == 3 * 2
+    for point in results["points"]:
+        best = max(point["attainment"][f] for f in FIXED)
+        assert point["margin"] == pytest.approx(point["attainment"]["adaptive"] - best)
+        assert {"all-speculative", "all-plain"} <= set(point["attainment"])
+    report = (out / "report.md").read_text()
+    assert "worst points" in report
+    assert "grid mean: adaptive" in report
+    assert (out / "margin.png").stat().st_size > 1000
