@@ -254,6 +254,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             forced_pool=None,
             priority=0,
             sequence=index,
+            output_hinted=scenario.hint,
         )
         waiting[index] = (request, features)
         settle(index, plan.decide(features, fleet.snapshot(now)), now)

@@ -110,6 +110,7 @@ class Relay:
             forced_pool=headers.forced_pool,
             priority=headers.priority,
             sequence=next(self._sequence),
+            output_hinted=headers.expected_output_tokens is not None,
         )
         forwarded = upstream_headers(
             request, headers.request_id, forward_authorization=self.settings.forward_authorization

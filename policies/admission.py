@@ -10,7 +10,6 @@ simulator run the same code.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -51,14 +50,17 @@ class Admission(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.max_wait_factor * features.slo_ttft_ms
 
 
-@dataclass(order=True)
+@dataclass(frozen=True)
 class _Entry(Generic[H]):
-    key: tuple[int, float, int]
-    handle: H = field(compare=False)
-    features: RequestFeatures = field(compare=False)
-    arrived: float = field(compare=False)
+    order: tuple[int, float, int]
+    """Higher priority first, then the earliest deadline, then first come."""
+    handle: H
+    features: RequestFeatures
+    arrived: float
     """When the request arrived, in seconds of the caller's clock."""
-    give_up: float = field(compare=False)
+    deadline: float
+    """When its TTFT target passes (with none, when it is refused)."""
+    give_up: float
 
 
 @dataclass
@@ -66,43 +68,37 @@ class AdmissionQueue(Generic[H]):
     """Requests held in the gateway, each known by the caller's `handle`."""
 
     settings: Admission = field(default_factory=Admission)
-    _heap: list[_Entry[H]] = field(default_factory=list)
-    _gone: set[int] = field(default_factory=set)
+    _entries: dict[H, _Entry[H]] = field(default_factory=dict)
     _order: itertools.count[int] = field(default_factory=itertools.count)
-    _ids: dict[H, int] = field(default_factory=dict)
-    """Handle -> the entry's sequence number, for removal."""
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._entries)
 
     def hold(self, handle: H, features: RequestFeatures, arrived: float) -> bool:
         """Keep the request; False when the queue is full (the caller refuses it)."""
         if len(self) >= self.settings.max_queue:
             return False
-        deadline = arrived + (features.slo_ttft_ms or self.settings.give_up_ms(features)) / 1e3
         give_up = arrived + self.settings.give_up_ms(features) / 1e3
-        number = next(self._order)
-        heapq.heappush(self._heap, _Entry((-features.priority, deadline, number), handle, features, arrived, give_up))
-        self._ids[handle] = number
+        deadline = arrived + features.slo_ttft_ms / 1e3 if features.slo_ttft_ms is not None else give_up
+        order = (-features.priority, deadline, next(self._order))
+        self._entries[handle] = _Entry(order, handle, features, arrived, deadline, give_up)
         return True
 
     def remove(self, handle: H) -> None:
         """Forget a request (its client left)."""
-        number = self._ids.pop(handle, None)
-        if number is not None:
-            self._gone.add(number)
+        self._entries.pop(handle, None)
 
     def next_give_up(self) -> float | None:
         """The earliest time a held request is due to be refused."""
-        live = [e.give_up for e in self._heap if e.key[2] not in self._gone]
-        return min(live) if live else None
+        return min((e.give_up for e in self._entries.values()), default=None)
 
     def review(
         self, now: float, decide: Callable[[H, RequestFeatures], Verdict], budget: int = 16, patience: int = 4
     ) -> Iterator[tuple[H, Decision | Shed | None]]:
         """Offer the fleet to the held requests: yields each request that leaves the queue with what
         became of it, refusing any past its time. The caller dispatches each before it asks for the
-        next, so that `decide` sees every dispatch made before.
+        next, so that `decide` sees every dispatch made before (and may hold or remove others
+        meanwhile).
 
         Requests whose TTFT target has passed are offered the fleet only when every request that
         can still meet its own is placed: capacity goes first to requests it can still save. At
@@ -110,35 +106,31 @@ class AdmissionQueue(Generic[H]):
         fleet is full for them)."""
         live: list[_Entry[H]] = []
         lost: list[_Entry[H]] = []
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            if entry.key[2] in self._gone:
-                self._gone.discard(entry.key[2])
-            elif now >= entry.give_up:
-                self._ids.pop(entry.handle, None)
+        for entry in sorted(self._entries.values(), key=lambda e: e.order):
+            if now >= entry.give_up:
+                del self._entries[entry.handle]
                 yield entry.handle, Shed(DEADLINE, 1.0, "no replica could serve it in time")
             else:
-                (lost if now >= entry.key[1] else live).append(entry)
-        kept: list[_Entry[H]] = []
+                (lost if now >= entry.deadline else live).append(entry)
         asked = held = 0
-        try:
-            for phase, entries in (("live", live), ("lost", lost)):
-                for entry in entries:
-                    if asked >= budget or held >= patience or (phase == "lost" and kept):
-                        kept.append(entry)
-                        continue
-                    asked += 1
-                    verdict = decide(entry.handle, replace(entry.features, waited_ms=(now - entry.arrived) * 1e3))
-                    if isinstance(verdict, Hold):
-                        held += 1
-                        kept.append(entry)
-                        continue
-                    if phase == "live" and isinstance(verdict, Decision) and verdict.best_effort:
-                        lost.append(entry)  # out of reach after all: after those that are not
-                        continue
-                    held = 0
-                    self._ids.pop(entry.handle, None)
-                    yield entry.handle, verdict
-        finally:
-            for entry in kept:
-                heapq.heappush(self._heap, entry)
+        waiting = False
+        """A request that can still meet its target is held: the lost ones wait for capacity."""
+        for phase, entries in (("live", live), ("lost", lost)):
+            for entry in entries:
+                if entry.handle not in self._entries:
+                    continue  # its client left meanwhile
+                if asked >= budget or held >= patience or (phase == "lost" and waiting):
+                    waiting = waiting or phase == "live"
+                    continue
+                asked += 1
+                verdict = decide(entry.handle, replace(entry.features, waited_ms=(now - entry.arrived) * 1e3))
+                if isinstance(verdict, Hold):
+                    held += 1
+                    waiting = waiting or phase == "live"
+                    continue
+                if phase == "live" and isinstance(verdict, Decision) and verdict.best_effort:
+                    lost.append(entry)  # out of reach after all: after those that are not
+                    continue
+                held = 0
+                del self._entries[entry.handle]
+                yield entry.handle, verdict

@@ -26,7 +26,7 @@ class RequestFeatures:
     max_tokens: int | None
     """The request's `max_tokens` / `max_completion_tokens`, if it set one."""
     expected_output_tokens: int | None
-    """The client's hint (`x-expected-output-tokens`), if it gave one."""
+    """The output length expected: the client's hint (`x-expected-output-tokens`), or learned."""
     slo_ttft_ms: float | None
     slo_tpot_ms: float | None
     forced_pool: Pool | None
@@ -34,6 +34,8 @@ class RequestFeatures:
     priority: int
     sequence: int
     """The gateway's running request count: lets stateless policies rotate."""
+    output_hinted: bool = False
+    """Whether the client gave the output length (then it is known, not estimated)."""
     waited_ms: float = 0.0
     """How long the request has waited in the gateway's admission queue: spent of its TTFT target."""
 

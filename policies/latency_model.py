@@ -37,9 +37,12 @@ from specgate.workers.snapshot import ReplicaState
 MAX_PREFILL_SHARE = 0.9
 STEP_SPREAD = 0.03
 """Relative spread of a request's stall-free TPOT that the batch and contexts alone cause."""
-# Gauss-Hermite nodes and weights for an expectation over a standard normal, five points.
-_NORMAL_NODES = ((0.0, 0.533333), (1.355626, 0.222076), (-1.355626, 0.222076), (2.856970, 0.011257),
-                 (-2.856970, 0.011257))  # fmt: skip
+OUTPUT_SPREAD = 1.0
+"""Spread (log-normal sigma) of an output length that is estimated, not given by the client: the
+Azure traces' lengths spread about so around their mean for a prompt size (0.99 conversation, 1.24
+code, from their means and medians)."""
+# Gauss-Hermite nodes and weights for an expectation over a standard normal, three points.
+_NORMAL_NODES = ((0.0, 2 / 3), (math.sqrt(3), 1 / 6), (-math.sqrt(3), 1 / 6))
 CONTEXT_QUANTUM = 32
 MEMO_SIZE = 65536
 
@@ -59,6 +62,11 @@ class Prediction:
     spread: float = 0.0
     """Relative spread (standard deviation) of the stall-free TPOT from request to request: on a
     speculative replica, requests accept the drafts at different rates."""
+    stalls_per_s: float = 0.0
+    """How often prompts arrive at the replica and stall its decoding."""
+    output_spread: float = 0.0
+    """Log-normal sigma of the output length around `output_tokens` (0 when the client gave it)."""
+    max_output_tokens: int | None = None
     output_tokens: int = 1
     """The output length the prediction assumed."""
 
@@ -88,14 +96,17 @@ class LatencyModel:
     def step_ms(self, pool: Pool, decode_seqs: int, context: float, prefill_tokens: int = 0) -> float:
         """One engine step of `decode_seqs` sequences at `context` tokens, with `prefill_tokens` of
         prompt riding along, as the profile prices it (drafts included on a speculative replica)."""
-        # Contexts within a few tokens cost the same to a fraction of a percent: round them so
-        # that the same few steps are priced once, not for every request and every replica.
-        key = (pool, decode_seqs, round(context / CONTEXT_QUANTUM), prefill_tokens)
+        # Contexts and prompts within a few tokens cost the same to a fraction of a percent: round
+        # them so that the same few steps are priced once, not for every request and every replica.
+        chunk = -(-prefill_tokens // CONTEXT_QUANTUM)  # prefill in quanta too, rounded up
+        key = (pool, decode_seqs, round(context / CONTEXT_QUANTUM), chunk)
         ms = self._memo.get(key)
         if ms is None:
             if len(self._memo) >= MEMO_SIZE:
                 self._memo.clear()
-            ms = self._memo[key] = self._priced_step(pool, decode_seqs, key[2] * CONTEXT_QUANTUM, prefill_tokens)
+            ms = self._memo[key] = self._priced_step(
+                pool, decode_seqs, key[2] * CONTEXT_QUANTUM, chunk * CONTEXT_QUANTUM
+            )
         return ms
 
     def _priced_step(self, pool: Pool, decode_seqs: int, context: float, prefill_tokens: int) -> float:
@@ -173,6 +184,9 @@ class LatencyModel:
             stall_ms=stall_ms,
             stalls=stalls,
             spread=self._spec_spread if pool is Pool.SPECULATIVE else STEP_SPREAD,
+            stalls_per_s=rate,
+            output_spread=0.0 if features.output_hinted else OUTPUT_SPREAD,
+            max_output_tokens=features.max_tokens,
             output_tokens=output,
         )
 
@@ -199,20 +213,37 @@ class LatencyModel:
         target leaves room for above the stall-free TPOT, averaged over how that TPOT spreads from
         request to request.
         """
-        gaps = max(prediction.output_tokens - 1, 1)
         chance = 0.0
+        for output, output_weight in self._outputs(prediction):
+            gaps = max(output - 1, 1)
+            # Stalls over this length of answer: the rate over its life (at the mean stall count
+            # when the length is the expected one).
+            if output == prediction.output_tokens:
+                stalls = prediction.stalls
+            else:
+                stalls = prediction.stalls_per_s * (prediction.ttft_ms + prediction.tpot_ms * gaps) / 1e3
+            for z, weight in _NORMAL_NODES:
+                room_ms = (slo_tpot_ms - prediction.decode_tpot_ms * math.exp(prediction.spread * z)) * gaps
+                if room_ms < 0:
+                    continue
+                allowed = int(room_ms // prediction.stall_ms) if prediction.stall_ms > 0 else None
+                chance += output_weight * weight * (1.0 if allowed is None else _poisson_cdf(allowed, stalls))
+        return min(chance, 1.0)
+
+    @staticmethod
+    def _outputs(prediction: Prediction) -> list[tuple[int, float]]:
+        """The answer lengths to average over, with their weights: the expected one when it is
+        known, else three points of a log-normal whose mean it is (capped by max_tokens)."""
+        sigma = prediction.output_spread
+        if not sigma:
+            return [(prediction.output_tokens, 1.0)]
+        median = prediction.output_tokens * math.exp(-sigma * sigma / 2)
+        cap = prediction.max_output_tokens
+        out = []
         for z, weight in _NORMAL_NODES:
-            decode_ms = prediction.decode_tpot_ms * math.exp(prediction.spread * z)
-            room_ms = (slo_tpot_ms - decode_ms) * gaps
-            if room_ms < 0:
-                continue
-            met = (
-                1.0
-                if prediction.stall_ms <= 0
-                else _poisson_cdf(int(room_ms // prediction.stall_ms), prediction.stalls)
-            )
-            chance += weight * met
-        return min(chance / sum(w for _, w in _NORMAL_NODES), 1.0)
+            length = max(round(median * math.exp(sigma * z)), 1)
+            out.append((min(length, cap) if cap is not None else length, weight))
+        return out
 
 
 def _poisson_cdf(k: int, mean: float) -> float:
