@@ -136,7 +136,7 @@ def _add_grid(commands: Subcommands) -> None:
     p.add_argument("--conv", type=Path, default=AZURE / "AzureLLMInferenceTrace_conv.csv")
     p.add_argument("--code", type=Path, default=AZURE / "AzureLLMInferenceTrace_code.csv")
     p.add_argument("--loads", type=float_list, default=(0.25, 0.5, 1.0, 2.0, 4.0), help="x the fleet's capacity")
-    p.add_argument("--requests", type=positive_int, default=500, help="requests per run")
+    p.add_argument("--requests", type=positive_int, default=400, help="requests per run")
     p.add_argument("--quick", action="store_true", help="three cells: a smoke test in seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1)
