@@ -21,7 +21,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from specgate.gateway.config import Timeouts
-from specgate.gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable
+from specgate.gateway.errors import GatewayError, UpstreamBusy, UpstreamTimeout, UpstreamUnavailable
 from specgate.gateway.journey import HOP_BY_HOP, Journey
 from specgate.gateway.sla import REQUEST_ID
 from specgate.policies.decision import Decision
@@ -88,8 +88,12 @@ class Attempt:
         self.started = time.monotonic()
         replica.dispatched_one(prompt, self.started)
         watchdog = Watchdog(self.timeouts.first_byte_s, self.timeouts.idle_s)
+        replica.waiting.add(watchdog.fire)  # ejected meanwhile (hung, say): go elsewhere
         try:
-            upstream = await self._send(watchdog)
+            try:
+                upstream = await self._send(watchdog)
+            finally:
+                replica.waiting.discard(watchdog.fire)
             self._got_first_byte = True
             watchdog.started()
             replica.first_byte(prompt)
@@ -97,6 +101,8 @@ class Attempt:
                 if upstream.status >= 500 and not self.last:
                     replica.failed(f"answered {upstream.status}")
                     raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} answered {upstream.status}"))
+                if upstream.status == 429 and not self.last:  # busy, not broken: no failure of its health
+                    raise RetryElsewhere(UpstreamBusy(f"replica {replica.name} answered 429"))
                 self.outcome.status = upstream.status
                 if upstream.content_type == "text/event-stream":
                     response = await self._stream(upstream, watchdog)
@@ -127,10 +133,10 @@ class Attempt:
         except asyncio.CancelledError:
             if not watchdog.absorb():
                 raise
-            replica.failed("no first byte in time")
-            raise UpstreamTimeout(
-                f"replica {replica.name} sent nothing within {self.timeouts.first_byte_s:g} s"
-            ) from None
+            if replica.healthy:  # not ejected meanwhile (which fired this): its own failure
+                replica.failed("no first byte in time")
+            error = UpstreamTimeout(f"replica {replica.name} sent nothing in time")
+            raise (error if self.last else RetryElsewhere(error)) from None
         except aiohttp.ClientConnectorError as exc:
             replica.failed(f"connect failed: {exc}", eject=True)
             raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} could not be reached")) from None
@@ -254,7 +260,7 @@ class Watchdog:
         self._fired = False
         self._task = asyncio.current_task()
         self._loop = asyncio.get_running_loop()
-        self._timer = self._loop.call_later(first_byte_s, self._fire)
+        self._timer = self._loop.call_later(first_byte_s, self.fire)
 
     def started(self) -> None:
         """The response began: from now on, watch for silence between chunks."""
@@ -267,10 +273,12 @@ class Watchdog:
         if silent < self.idle_s:
             self._timer = self._loop.call_later(self.idle_s - silent, self._check)
         else:
-            self._fire()
+            self.fire()
 
-    def _fire(self) -> None:
-        if self._task is not None:
+    def fire(self) -> None:
+        """Give up on the upstream now, as if it had stayed silent too long (from another task, or a
+        timer: a task reporting its own failure is already giving up)."""
+        if self._task is not None and not self._fired and asyncio.current_task() is not self._task:
             self._fired = True
             self._task.cancel()
 

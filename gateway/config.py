@@ -60,6 +60,20 @@ class Timeouts:
 
 
 @dataclass(frozen=True)
+class Retries:
+    """Trying another replica while no byte of the answer has reached the client."""
+
+    max_attempts: int = 3
+    """Replicas tried for one request, the first included."""
+    budget: float = 0.2
+    """Retries in progress at once, as a share of the requests in flight (at least `min_retries`):
+    when the whole fleet fails, retries must not multiply the load."""
+    min_retries: int = 3
+    backoff_s: float = 0.025
+    """Before the n-th retry, this times 2^(n-1)."""
+
+
+@dataclass(frozen=True)
 class StoreSettings:
     """Where the policy document lives when it is shared: a Redis, and a local cache of it."""
 
@@ -86,6 +100,7 @@ class GatewaySettings:
     """Pass the client's Authorization header to the replicas (off: replicas rarely share the
     gateway's credentials, and a leaked key is worse than a refused request)."""
     timeouts: Timeouts = field(default_factory=Timeouts)
+    retries: Retries = field(default_factory=Retries)
     policy: PolicyDocument = field(default_factory=PolicyDocument)
     """The policy to start with: the store's replaces it when there is one."""
     store: StoreSettings = field(default_factory=StoreSettings)
@@ -130,12 +145,21 @@ class _Scrape(_Section, frozen=True):
     timeout_ms: Milliseconds = 1000.0
     stale_after_ms: Milliseconds = 2000.0
     eject_after: PositiveInt = 3
+    base_ejection_ms: Milliseconds = 2000.0
+    max_ejection_ms: Milliseconds = 60_000.0
+    hang_after_ms: Milliseconds = 20_000.0
 
 
 class _Timeouts(_Section, frozen=True):
     connect_ms: Milliseconds = 2000.0
     first_byte_ms: Milliseconds = 300_000.0
     idle_ms: Milliseconds = 60_000.0
+
+
+class _Retries(_Section, frozen=True):
+    max_attempts: Annotated[int, Meta(ge=1, le=10)] = 3
+    budget_percent: Annotated[float, Meta(ge=0, le=100)] = 20.0
+    backoff_ms: Annotated[float, Meta(ge=0, le=10_000)] = 25.0
 
 
 class _Proxy(_Section, frozen=True):
@@ -161,6 +185,7 @@ class _File(_Section, frozen=True):
     server: _Server = _Server()
     scrape: _Scrape = _Scrape()
     timeouts: _Timeouts = _Timeouts()
+    retries: _Retries = _Retries()
     proxy: _Proxy = _Proxy()
     store: _Store = _Store()
     admin: _Admin | None = None
@@ -225,6 +250,11 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
         access_log=file.server.access_log,
         forward_authorization=file.proxy.forward_authorization,
         timeouts=Timeouts(timeouts.connect_ms / 1e3, timeouts.first_byte_ms / 1e3, timeouts.idle_ms / 1e3),
+        retries=Retries(
+            max_attempts=file.retries.max_attempts,
+            budget=file.retries.budget_percent / 100,
+            backoff_s=file.retries.backoff_ms / 1e3,
+        ),
         policy=policy_document(file.policy),
         store=StoreSettings(
             url=store_url("store.url", store.url) if store.url is not None else None,
@@ -238,6 +268,9 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
             scrape_timeout_s=scrape.timeout_ms / 1e3,
             stale_after_s=scrape.stale_after_ms / 1e3,
             eject_after=scrape.eject_after,
+            base_ejection_s=scrape.base_ejection_ms / 1e3,
+            max_ejection_s=scrape.max_ejection_ms / 1e3,
+            hang_after_s=scrape.hang_after_ms / 1e3,
         ),
     )
 

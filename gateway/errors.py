@@ -12,6 +12,7 @@
      │                                 ran out, or the queue is full (Retry-After says when to retry)
      ├── NoHealthyReplica      503     no_healthy_replica
      ├── UpstreamUnavailable   502     every replica tried failed before answering
+     ├── UpstreamBusy          429     (a retry's reason: a replica answered 429)
      └── UpstreamTimeout       504     no first byte within the first-byte timeout
 
 Errors a replica returns are not these: they pass through unchanged, status and body.
@@ -106,6 +107,14 @@ class UpstreamUnavailable(GatewayError):
     status = 502
     type = "server_error"
     code = "upstream_unavailable"
+
+
+class UpstreamBusy(GatewayError):
+    """Every replica tried answered 429 (the last one's answer goes to the client as it is)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "upstream_busy"
 
 
 class UpstreamTimeout(GatewayError):

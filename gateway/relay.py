@@ -42,9 +42,6 @@ from specgate.protocol.endpoints import Endpoint
 from specgate.workers.pools import Fleet
 from specgate.workers.snapshot import Snapshot
 
-MAX_ATTEMPTS = 2
-"""Replicas tried for one request before its failure goes to the client."""
-
 
 class PlanSource(Protocol):
     """Whoever keeps the plan in force (the policy control); a new one is swapped in with one
@@ -72,6 +69,10 @@ class Relay:
         self.lengths = LengthStats()
         self.feedback = Feedback(metrics, self.lengths, access_log=settings.access_log)
         self._sequence = itertools.count(1)  # 0 would make the very first request an exploration
+        self.routing = 0
+        """Requests being routed or relayed now."""
+        self.retrying = 0
+        """Of those, requests on a retry."""
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         try:
@@ -79,11 +80,14 @@ class Relay:
         except GatewayError as error:
             self.feedback.refused(None, error)
             raise
+        self.routing += 1
         try:
             return await self._route(journey)
         except GatewayError as error:
             self.feedback.refused(journey, error)
             raise
+        finally:
+            self.routing -= 1
 
     async def _journey(self, request: web.Request, endpoint: Endpoint) -> Journey:
         try:
@@ -119,8 +123,13 @@ class Relay:
 
     async def _route(self, journey: Journey) -> web.StreamResponse:
         plan = journey.plan
+        retries = self.settings.retries
         failure: GatewayError | None = None
-        for number in range(MAX_ATTEMPTS):
+        for number in range(retries.max_attempts):
+            if number:
+                if not self._may_retry():
+                    break
+                await asyncio.sleep(retries.backoff_s * 2 ** (number - 1))
             snapshot = self._fitting(journey, self.fleet.snapshot(time.monotonic()))
             if journey.tried:
                 snapshot = snapshot.without(frozenset(journey.tried))
@@ -138,9 +147,9 @@ class Relay:
             self.metrics.decisions.labels(plan.policy.name, replica.pool.value, decision.reason).inc()
             if number:
                 self.metrics.retries.labels(replica.pool.value).inc()
-            attempt = Attempt(
-                journey, replica, decision, self.session, self.settings.timeouts, last=number == MAX_ATTEMPTS - 1
-            )
+            last = number == retries.max_attempts - 1
+            attempt = Attempt(journey, replica, decision, self.session, self.settings.timeouts, last=last)
+            self.retrying += bool(number)
             try:
                 response = await attempt.run()
             except RetryElsewhere as retry:
@@ -150,10 +159,17 @@ class Relay:
                 self.feedback.answered(journey, attempt)  # the client left
                 raise
             finally:
+                self.retrying -= bool(number)
                 self.admission.kick()  # the replica has room again
             self.feedback.answered(journey, attempt)
             return response
         raise failure or NoHealthyReplica("no healthy replica can take the request")
+
+    def _may_retry(self) -> bool:
+        """Within the retry budget: a share of the requests in flight, so that a fleet failing
+        whole is not hit by a storm of retries."""
+        retries = self.settings.retries
+        return self.retrying < max(retries.min_retries, retries.budget * self.routing)
 
     @staticmethod
     def _fitting(journey: Journey, snapshot: Snapshot) -> Snapshot:

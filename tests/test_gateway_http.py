@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specgate.calibration.modes import Pool
 from specgate.gateway.app import make_app
-from specgate.gateway.config import GatewaySettings, Timeouts
+from specgate.gateway.config import GatewaySettings, Retries, Timeouts
 from specgate.policies.decision import Shedding
 from specgate.policies.document import PolicyDocument
 from specgate.testing import SimProcess, running_app, sample_value
@@ -403,6 +403,11 @@ async def test_killing_a_replica_fails_no_request_that_had_not_started_streaming
     assert float(retried.split()[-1]) >= 3
 
 
+async def healthy(_: web.Request) -> web.Response:
+    """vLLM's /health: 200 while its engine is alive."""
+    return web.Response()
+
+
 def broken_replica() -> web.Application:
     """A replica whose engine has died: healthy metrics, 500 on every completion (as vLLM's EngineDeadError)."""
 
@@ -420,6 +425,7 @@ def broken_replica() -> web.Application:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", healthy)
     app.router.add_post("/v1/chat/completions", fail)
     return app
 
@@ -523,6 +529,7 @@ def echo_replica() -> web.Application:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", healthy)
     app.router.add_post("/v1/chat/completions", echo)
     return app
 
@@ -569,6 +576,7 @@ def scripted_replica(answer: Callable[[web.Request], Any]) -> web.Application:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", healthy)
     app.router.add_post("/v1/chat/completions", answer)
     return app
 
@@ -684,3 +692,78 @@ async def test_the_access_log_has_a_line_per_routed_request(caplog: pytest.LogCa
         "attempts=1",
     ):
         assert part in line
+
+
+def hung_replica(progress: bool = False) -> web.Application:
+    """A replica whose engine hangs: its /metrics and /health answer, completions never start."""
+    generated = 0
+
+    async def metrics(_: web.Request) -> web.Response:
+        nonlocal generated
+        generated += progress  # a live engine's counters move
+        text = "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
+        return web.Response(text=text + f"vllm:generation_tokens_total {generated}\nvllm:prompt_tokens_total 10\n")
+
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", healthy)
+    app.router.add_post("/v1/chat/completions", hang)
+    return app
+
+
+async def test_a_hung_replica_is_ejected_and_its_requests_go_elsewhere(fleet: dict[Pool, list[SimProcess]]) -> None:
+    async with running_app(hung_replica()) as hung:
+        pools = {Pool.SPECULATIVE: [hung], Pool.PLAIN: [fleet[Pool.PLAIN][0].url]}
+        fleet_settings = FleetSettings(scrape_interval_s=0.05, hang_after_s=0.5)
+        async with running_gateway(settings_for(pools, fleet=fleet_settings)) as url, client(url) as api:
+            started = time.monotonic()
+            raw = await api.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, max_tokens=4, extra_headers={"x-route-pool": "speculative"}
+            )
+            # its counters stood still while it held the request: ejected, and the request moved
+            assert raw.headers["x-route-replica"] == "plain-0"
+            assert time.monotonic() - started < 5.0  # not the 300 s first-byte timeout
+            assert await gateway_samples(url, "specgate_replica_up") == {"spec-0": 0.0, "plain-0": 1.0}
+            # and it stays out while its /metrics and /health keep answering
+            await asyncio.sleep(0.3)
+            assert (await gateway_samples(url, "specgate_replica_up"))["spec-0"] == 0.0
+
+
+async def test_a_first_byte_timeout_is_retried_on_another_replica(fleet: dict[Pool, list[SimProcess]]) -> None:
+    async with running_app(hung_replica(progress=True)) as slow:
+        pools = {Pool.SPECULATIVE: [slow], Pool.PLAIN: [fleet[Pool.PLAIN][0].url]}
+        settings = settings_for(pools, timeouts=Timeouts(first_byte_s=0.3))
+        async with running_gateway(settings) as url, client(url) as api:
+            raw = await api.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, max_tokens=4, extra_headers={"x-route-pool": "speculative"}
+            )
+    assert raw.headers["x-route-replica"] == "plain-0"
+
+
+async def test_a_pool_that_fails_whole_and_a_busy_replica_do_not_fail_the_request(
+    fleet: dict[Pool, list[SimProcess]],
+) -> None:
+    async def busy(_: web.Request) -> web.Response:
+        body = {"error": {"message": "too many requests", "type": "rate_limit_error", "param": None, "code": 429}}
+        return web.json_response(body, status=429)
+
+    async with (
+        running_app(broken_replica()) as one,
+        running_app(broken_replica()) as two,
+        running_app(scripted_replica(busy)) as full,
+    ):
+        pools = {Pool.SPECULATIVE: [one, two, full], Pool.PLAIN: [fleet[Pool.PLAIN][0].url]}
+        settings = settings_for(pools, policy=PolicyDocument(policy="round-robin"))
+        settings = dataclasses.replace(settings, retries=Retries(max_attempts=4))
+        async with running_gateway(settings) as url, client(url) as api:
+            for _ in range(4):
+                raw = await api.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=4, extra_headers={"x-route-pool": "speculative"}
+                )
+                assert raw.headers["x-route-pool"] == "plain"  # served by the other pool every time
+            up = await gateway_samples(url, "specgate_replica_up")
+    assert up["spec-2"] == 1.0  # answering 429 is being busy, not broken

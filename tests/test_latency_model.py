@@ -76,7 +76,7 @@ def test_a_profile_30_percent_off_converges_within_a_few_hundred_requests() -> N
     """Observed latencies 30% above the profile: the pooled correction learns the factor."""
     model = LatencyModel(A100_CODELLAMA_34B)
     replica = Replica("plain-0", "http://x", Pool.PLAIN, FleetSettings())
-    replica.healthy = True
+    replica.health.scrape_succeeded(0.0)
     truth = model.predict(replica.state(0.0), FEATURES)
     for _ in range(200):
         p = model.predict(replica.state(0.0), FEATURES)

@@ -4,6 +4,7 @@ import pytest
 
 from specgate.calibration.modes import Pool
 from specgate.workers.acceptance import SpecCounters
+from specgate.workers.health import State
 from specgate.workers.pools import Fleet, FleetSettings, Replica
 from specgate.workers.scrape import VllmLoad
 
@@ -25,19 +26,78 @@ def test_replica_starts_down_and_comes_up_on_a_good_scrape() -> None:
 def test_connect_failure_ejects_at_once_other_failures_after_three() -> None:
     r = Replica("plain-0", "http://x", Pool.PLAIN, SETTINGS)
     r.scraped(load(), 0.0, 0)
-    r.failed("5xx")
-    r.failed("5xx")
+    r.failed("5xx", now=0.0)
+    r.failed("5xx", now=0.0)
     assert r.healthy
-    r.succeeded()
-    r.failed("5xx")
-    r.failed("5xx")
+    r.succeeded(now=0.0)
+    r.failed("5xx", now=0.0)
+    r.failed("5xx", now=0.0)
     assert r.healthy  # the success in between reset the count
-    r.failed("5xx")
+    r.failed("5xx", now=0.0)
     assert not r.healthy
-    r.scraped(load(), 1.0, 0)
-    assert r.healthy  # re-admitted
-    r.failed("refused", eject=True)
+    r2 = Replica("plain-1", "http://y", Pool.PLAIN, SETTINGS)
+    r2.scraped(load(), 0.0, 0)
+    r2.failed("refused", eject=True, now=0.0)
+    assert not r2.healthy
+
+
+def test_an_ejection_holds_whatever_the_scrapes_say_then_the_replica_is_probed() -> None:
+    r = Replica("plain-0", "http://x", Pool.PLAIN, FleetSettings(base_ejection_s=2.0, max_ejection_s=5.0))
+    r.scraped(load(), 0.0, 0)
+    r.failed("refused", eject=True, now=10.0)
+    r.scraped(load(), 11.0, 0)
+    assert not r.healthy  # a good scrape does not cut the ejection short (a hung replica's metrics answer)
+    r.scraped(load(), 12.0, 0)
+    assert r.healthy
+    assert r.health.state is State.PROBING
+    assert r.available()
+    r.dispatched_one()
+    assert not r.available()  # one probe at a time
+    r.finished(got_first_byte=True)
+    r.failed("5xx", now=12.5)  # the probe failed: out again, twice as long
+    assert r.health.ejected_until == pytest.approx(12.5 + 4.0)
+    r.scraped(load(), 16.5, 0)
+    r.succeeded(now=16.6)
+    assert r.health.state is State.UP
+    r.failed("refused", eject=True, now=17.0)
+    assert r.health.ejected_until == pytest.approx(17.0 + 5.0)  # capped
+    r.scraped(load(), 22.0, 0)
+    r.succeeded(now=22.0)
+    r.scraped(load(), 30.0, 0)  # a clean stretch as long as the longest ejection
+    assert r.health.ejections == 0
+
+
+def test_scrapes_that_fail_eject_and_requests_waiting_there_are_told() -> None:
+    r = Replica("plain-0", "http://x", Pool.PLAIN, SETTINGS)
+    r.scraped(load(), 0.0, 0)
+    told: list[str] = []
+    r.waiting.add(lambda: told.append("go elsewhere"))
+    r.scrape_failed("timeout", now=1.0)
+    r.scrape_failed("timeout", now=1.2)
+    assert r.healthy
+    assert not told
+    r.scrape_failed("timeout", now=1.4)
     assert not r.healthy
+    assert told == ["go elsewhere"]
+
+
+def test_a_replica_that_holds_requests_but_makes_no_progress_is_ejected() -> None:
+    r = Replica("plain-0", "http://x", Pool.PLAIN, FleetSettings(hang_after_s=5.0))
+    stuck = VllmLoad(1.0, 0.0, 0.1, 0.0, 100.0, 50.0, None)
+    r.scraped(stuck, 0.0, 0)
+    r.scraped(stuck, 30.0, 0)  # idle, nothing in flight: standing still is fine
+    assert r.healthy
+    r.dispatched_one()
+    r.scraped(stuck, 31.0, 0)
+    r.scraped(stuck, 34.0, 0)
+    assert r.healthy
+    moved = VllmLoad(1.0, 0.0, 0.1, 0.0, 100.0, 51.0, None)  # a token: progress
+    r.scraped(moved, 34.5, 0)
+    r.scraped(moved, 39.0, 0)
+    assert r.healthy
+    r.scraped(moved, 39.6, 0)
+    assert not r.healthy
+    assert r.health.last_reason == "no progress"
 
 
 def test_accounting_and_state() -> None:

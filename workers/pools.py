@@ -3,10 +3,9 @@
 All of it is mutated on the gateway's event loop only (no locks needed); a policy never sees it
 directly, only the frozen `Snapshot` that `Fleet.snapshot()` builds.
 
-Health: a replica starts down and comes up on its first good scrape. It is ejected when a
-request cannot connect to it, or after `eject_after` consecutive failures of any kind (scrapes
-that fail, upstream 5xx); the scraper keeps polling an ejected replica and re-admits it on the
-next good scrape.
+Health (`workers/health.py`): admitted on the first good scrape of `/metrics` and `/health`,
+ejected on failures of its own with a backoff that grows on repeat, probed before it is trusted
+again, and ejected when it holds requests but makes no progress.
 """
 
 from __future__ import annotations
@@ -15,12 +14,14 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
 from specgate.calibration.modes import Pool
 from specgate.workers.acceptance import SpecCounters, acceptance
+from specgate.workers.health import Health
 from specgate.workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
 from specgate.workers.snapshot import ReplicaState, Snapshot
 
@@ -34,6 +35,12 @@ class FleetSettings:
     stale_after_s: float = 2.0
     """Scraped load older than this is ignored; the gateway's own counts remain."""
     eject_after: int = 3
+    """Consecutive failures (requests on the replica's socket, or scrapes) that eject it."""
+    base_ejection_s: float = 2.0
+    """How long a first ejection lasts; each repeat lasts twice as long, up to `max_ejection_s`."""
+    max_ejection_s: float = 60.0
+    hang_after_s: float = 20.0
+    """A replica with requests in flight whose token counters stand still this long is ejected."""
     smoothing: float = 0.2
     """Weight of the newest observation in the smoothed TTFT and TPOT."""
     correction_smoothing: float = 0.05
@@ -69,12 +76,14 @@ class Replica:
         self.url = url.rstrip("/")
         self.pool = pool
         self.settings = settings
-        self.healthy = False
+        self.health = Health(name, settings.eject_after, settings.base_ejection_s, settings.max_ejection_s)
+        self.waiting: set[Callable[[], None]] = set()
+        """Callbacks of the attempts still waiting for their first byte here, called if it is
+        ejected: they give up on it and go elsewhere."""
         self.in_flight = 0
         self.prefilling = 0
         self.prefill_tokens = 0
         self.dispatched = 0
-        self.failures = 0
         self.load: VllmLoad | None = None
         self.max_model_len: int | None = None
         """The context window the replica's /v1/models reports, read when it is admitted."""
@@ -91,6 +100,8 @@ class Replica:
         self._prefill_rate_at = 0.0
         self._dispatched_at_scrape = 0
         self._last_spec: SpecCounters | None = None
+        self._progress: tuple[float, float] = (-1.0, 0.0)
+        """The token counters' last sum, and when it last moved."""
 
     # --- the gateway's own accounting ---------------------------------------------------------
 
@@ -137,20 +148,33 @@ class Replica:
 
     # --- health -------------------------------------------------------------------------------
 
-    def succeeded(self) -> None:
-        self.failures = 0
+    @property
+    def healthy(self) -> bool:
+        """Admitted (up, or being probed after an ejection)."""
+        return self.health.admitted
 
-    def failed(self, reason: str, *, eject: bool = False) -> None:
-        self.failures += 1
-        if self.healthy and (eject or self.failures >= self.settings.eject_after):
-            _log.warning("ejecting replica %s (%s): %s", self.name, self.url, reason)
-            self.healthy = False
+    def available(self) -> bool:
+        return self.health.available(self.in_flight)
+
+    def succeeded(self, now: float | None = None) -> None:
+        self.health.request_succeeded(time.monotonic() if now is None else now)
+
+    def failed(self, reason: str, *, eject: bool = False, now: float | None = None) -> None:
+        """A failure on the replica's own socket (never a client's)."""
+        if self.health.request_failed(time.monotonic() if now is None else now, reason, at_once=eject):
+            self._ejected()
+
+    def _ejected(self) -> None:
+        for give_up in list(self.waiting):
+            give_up()
+
+    def scrape_failed(self, reason: str, now: float | None = None) -> None:
+        if self.health.scrape_failed(time.monotonic() if now is None else now, reason):
+            self._ejected()
 
     def scraped(self, load: VllmLoad, now: float, dispatched_at_send: int) -> None:
-        if not self.healthy:
-            _log.info("replica %s (%s) is up", self.name, self.url)
-        self.healthy = True
-        self.failures = 0
+        self.health.scrape_succeeded(now)
+        self._check_progress(load, now)
         self.load = load
         self.scraped_at = now
         self._dispatched_at_scrape = dispatched_at_send
@@ -165,6 +189,16 @@ class Replica:
                     self.recent_accepted = self.recent_accepted * keep + delta.accepted_tokens
                     self.tokens_per_step = 1.0 + self.recent_accepted / self.recent_drafts
             self._last_spec = load.spec
+
+    def _check_progress(self, load: VllmLoad, now: float) -> None:
+        """Eject a replica that holds requests but whose token counters stand still: hung."""
+        counters = (load.prompt_tokens or 0.0) + (load.generation_tokens or 0.0)
+        last, since = self._progress
+        if counters != last or not self.in_flight:
+            self._progress = (counters, now)
+        elif now - since >= self.settings.hang_after_s and self.health.eject(now, "no progress"):
+            self._progress = (counters, now)
+            self._ejected()
 
     def state(
         self,
@@ -181,7 +215,7 @@ class Replica:
             name=self.name,
             url=self.url,
             pool=self.pool,
-            healthy=self.healthy,
+            healthy=self.available(),
             in_flight=self.in_flight,
             prefilling=self.prefilling,
             prefill_tokens=self.prefill_tokens,
@@ -199,6 +233,13 @@ class Replica:
             tpot_correction=self.tpot_correction if tpot_correction is None else tpot_correction,
             max_model_len=self.max_model_len,
         )
+
+
+async def _get(session: aiohttp.ClientSession, url: str, limit: aiohttp.ClientTimeout) -> str:
+    async with session.get(url, timeout=limit) as response:
+        if response.status != 200:
+            raise MetricsFormatError(f"{url.rsplit('/', 1)[-1]} answered {response.status}")
+        return await response.text()
 
 
 async def _max_model_len(session: aiohttp.ClientSession, url: str, limit: aiohttp.ClientTimeout) -> int | None:
@@ -262,17 +303,17 @@ class Fleet:
         dispatched = replica.dispatched
         timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
         try:
-            async with session.get(f"{replica.url}/metrics", timeout=timeout) as response:
-                if response.status != 200:
-                    raise MetricsFormatError(f"/metrics answered {response.status}")
-                text = await response.text()
+            text, _ = await asyncio.gather(
+                _get(session, f"{replica.url}/metrics", timeout), _get(session, f"{replica.url}/health", timeout)
+            )
             load = parse_vllm_metrics(text)
         except (aiohttp.ClientError, TimeoutError, MetricsFormatError, UnicodeDecodeError) as exc:
-            replica.failed(f"scrape failed: {exc!r}")
+            replica.scrape_failed(f"scrape failed: {exc!r}")
             return
-        if not replica.healthy:  # admitted now: (re)read what it serves, it may have restarted with other flags
-            replica.max_model_len = await _max_model_len(session, replica.url, timeout)
+        was_admitted = replica.healthy
         replica.scraped(load, time.monotonic(), dispatched)
+        if replica.healthy and not was_admitted:  # (re)admitted: it may have restarted with other flags
+            replica.max_model_len = await _max_model_len(session, replica.url, timeout)
 
     async def scrape_forever(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         loop = asyncio.get_running_loop()
