@@ -51,7 +51,9 @@ def _authorize(request: web.Request) -> None:
     assert token is not None
     given = request.headers.get("authorization", "")
     scheme, _, credential = given.partition(" ")
-    ok = scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), token.encode())
+    # surrogateescape: a header of bytes that are not UTF-8 is a wrong token, not a 500
+    given_bytes = credential.strip().encode("utf-8", "surrogateescape")
+    ok = scheme.lower() == "bearer" and hmac.compare_digest(given_bytes, token.encode())
     if not ok:
         raise Unauthorized("a valid admin token is required: Authorization: Bearer <token>")
 

@@ -24,6 +24,7 @@ from specgate.gateway.handlers import add_routes
 from specgate.gateway.metrics import GatewayMetrics
 from specgate.gateway.policy_sync import STORE_ERRORS, PolicyControl
 from specgate.gateway.relay import Relay
+from specgate.gateway.server import GuardedRunner
 from specgate.gateway.state import FLEET, METRICS, POLICY, RELAY, SESSION, SETTINGS
 from specgate.gateway.store import PolicyStore
 from specgate.protocol.serving import serve_until_cancelled
@@ -82,7 +83,24 @@ def make_app(settings: GatewaySettings) -> web.Application:
     return app
 
 
+def make_runner(app: web.Application, settings: GatewaySettings) -> GuardedRunner:
+    """The runner that serves the gateway, with its connection limits."""
+    limits = settings.limits
+    return GuardedRunner(
+        app,
+        limits,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=settings.shutdown_grace_s,
+        keepalive_timeout=limits.idle_timeout_s,
+        max_line_size=limits.max_line_bytes,
+        max_field_size=limits.max_header_bytes,
+        max_headers=limits.max_headers,
+    )
+
+
 async def serve(settings: GatewaySettings, on_ready: Callable[[str], None] | None = None) -> None:
     """Serve until cancelled; on the way out, stop accepting and let requests in flight finish."""
     app = make_app(settings)
-    await serve_until_cancelled(app, settings.host, settings.port, on_ready, settings.shutdown_grace_s)
+    runner = make_runner(app, settings)
+    await serve_until_cancelled(app, settings.host, settings.port, on_ready, settings.shutdown_grace_s, runner)

@@ -22,7 +22,7 @@ from multidict import CIMultiDict
 
 from specgate.gateway.config import Timeouts
 from specgate.gateway.errors import GatewayError, UpstreamBusy, UpstreamTimeout, UpstreamUnavailable
-from specgate.gateway.journey import HOP_BY_HOP, Journey
+from specgate.gateway.journey import Journey, hop_by_hop
 from specgate.gateway.sla import REQUEST_ID
 from specgate.policies.decision import Decision
 from specgate.protocol.tokens import completion_tokens
@@ -161,10 +161,11 @@ class Attempt:
 
     def _response_headers(self, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
         route = self._route_headers()
+        dropped = hop_by_hop(upstream.headers) | {"date", "server"}
         out: CIMultiDict[str] = CIMultiDict()
         for name, value in upstream.headers.items():
             lower = name.lower()
-            if lower in HOP_BY_HOP or lower in route or lower in ("date", "server"):
+            if lower in dropped or lower in route:
                 continue
             out.add(name, value)
         out.update(route)

@@ -36,6 +36,7 @@ import msgspec
 from msgspec import Meta
 
 from specgate.calibration.modes import Pool
+from specgate.gateway.server import Limits
 from specgate.policies.document import DocumentError, PolicyDocument
 from specgate.policies.document import parse as parse_document
 from specgate.validation import Invalid, Milliseconds, NonEmpty, Port, PositiveInt, convert
@@ -100,6 +101,7 @@ class GatewaySettings:
     """Pass the client's Authorization header to the replicas (off: replicas rarely share the
     gateway's credentials, and a leaked key is worse than a refused request)."""
     timeouts: Timeouts = field(default_factory=Timeouts)
+    limits: Limits = field(default_factory=Limits)
     retries: Retries = field(default_factory=Retries)
     policy: PolicyDocument = field(default_factory=PolicyDocument)
     """The policy to start with: the store's replaces it when there is one."""
@@ -122,6 +124,12 @@ class _Server(_Section, frozen=True):
     max_body_bytes: PositiveInt = 32 * 1024 * 1024
     shutdown_grace_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     access_log: bool = False
+    header_timeout_ms: Milliseconds = 10_000.0
+    idle_timeout_ms: Milliseconds = 75_000.0
+    max_connections: Annotated[int, Meta(ge=16, le=1_000_000)] = 4096
+    max_line_bytes: Annotated[int, Meta(ge=256, le=1 << 20)] = 8190
+    max_header_bytes: Annotated[int, Meta(ge=256, le=1 << 20)] = 8190
+    max_headers: Annotated[int, Meta(ge=8, le=10_000)] = 128
 
 
 class _Models(_Section, frozen=True):
@@ -250,6 +258,14 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
         access_log=file.server.access_log,
         forward_authorization=file.proxy.forward_authorization,
         timeouts=Timeouts(timeouts.connect_ms / 1e3, timeouts.first_byte_ms / 1e3, timeouts.idle_ms / 1e3),
+        limits=Limits(
+            header_timeout_s=file.server.header_timeout_ms / 1e3,
+            idle_timeout_s=file.server.idle_timeout_ms / 1e3,
+            max_connections=file.server.max_connections,
+            max_line_bytes=file.server.max_line_bytes,
+            max_header_bytes=file.server.max_header_bytes,
+            max_headers=file.server.max_headers,
+        ),
         retries=Retries(
             max_attempts=file.retries.max_attempts,
             budget=file.retries.budget_percent / 100,

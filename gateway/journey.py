@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from specgate.gateway.body import BodyFields
 from specgate.gateway.sla import REQUEST_ID, RoutingHeaders
@@ -48,15 +48,33 @@ class Journey:
         return self.headers.request_class
 
 
+CREDENTIALS = frozenset({"authorization", "api-key", "x-api-key", "cookie"})
+"""The client's credentials: passed on only when the config says the replicas share them."""
+DECODED = frozenset({"content-encoding"})
+"""The body is forwarded as aiohttp decoded it: its encoding no longer applies."""
+
+
+def hop_by_hop(headers: CIMultiDictProxy[str]) -> frozenset[str]:
+    """The connection-level headers of a message: the standard ones, and those its `Connection`
+    header names (RFC 9110 section 7.6.1)."""
+    named = {token.strip().lower() for value in headers.getall("connection", ()) for token in value.split(",")}
+    return HOP_BY_HOP | named
+
+
 def upstream_headers(request: web.Request, request_id: str, *, forward_authorization: bool) -> CIMultiDict[str]:
-    """The client's headers as a replica gets them: without hop-by-hop ones, with our request id."""
+    """The client's headers as a replica gets them: without hop-by-hop ones (and credentials,
+    unless allowed), with our request id and the client's address added to X-Forwarded-For."""
+    dropped = hop_by_hop(request.headers) | DECODED | {REQUEST_ID, "x-forwarded-for"}
+    if not forward_authorization:
+        dropped |= CREDENTIALS
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in request.headers.items():
-        lower = name.lower()
-        if lower in HOP_BY_HOP or lower == REQUEST_ID:
-            continue
-        if lower == "authorization" and not forward_authorization:
-            continue
-        out.add(name, value)
+        if name.lower() not in dropped:
+            out.add(name, value)
     out[REQUEST_ID] = request_id
+    chain = [v for v in request.headers.getall("x-forwarded-for", ()) if v.strip()]
+    if request.remote:
+        chain.append(request.remote)
+    if chain:
+        out["X-Forwarded-For"] = ", ".join(chain)
     return out

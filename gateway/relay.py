@@ -16,12 +16,14 @@ from typing import Protocol
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from specgate.gateway.admission import AdmissionControl
 from specgate.gateway.attempt import Attempt, RetryElsewhere
 from specgate.gateway.body import parse_body
 from specgate.gateway.config import GatewaySettings
 from specgate.gateway.errors import (
+    BadBody,
     BodyTooLarge,
     ContextTooLong,
     GatewayError,
@@ -90,10 +92,15 @@ class Relay:
             self.routing -= 1
 
     async def _journey(self, request: web.Request, endpoint: Endpoint) -> Journey:
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BodyTooLarge(f"request body exceeds {limit} bytes")  # at once: not after reading it
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise BodyTooLarge(f"request body exceeds {self.settings.max_body_bytes} bytes") from None
+            raise BodyTooLarge(f"request body exceeds {limit} bytes") from None
+        except RequestPayloadError as exc:  # a Content-Encoding the bytes do not match, a broken chunk
+            raise BadBody(f"the request body could not be read: {exc}") from None
         fields = parse_body(raw, endpoint, self.settings.models)
         plan = self.plans.plan
         headers = parse_routing_headers(request.headers, plan.slo_for)

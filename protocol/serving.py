@@ -16,14 +16,17 @@ async def serve_until_cancelled(
     port: int,
     on_ready: Callable[[str], None] | None = None,
     shutdown_timeout: float = 60.0,
+    runner: web.AppRunner | None = None,
 ) -> None:
     """Listen on host:port (0 picks a free port) and serve until the task is cancelled.
 
-    `on_ready` gets the base URL once the socket listens. A client that disconnects cancels its
+    `on_ready` gets the base URL once the socket listens. `runner`, when given, is one made for
+    `app` (with its own limits); by default a plain aiohttp runner. A client that disconnects cancels its
     handler. On the way out the server stops accepting and lets requests in flight finish for up
     to `shutdown_timeout` seconds.
     """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
+    if runner is None:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
         # aiohttp's default accept backlog (128) overflows when hundreds of clients connect at

@@ -160,9 +160,10 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_app(app: web.Application) -> AsyncIterator[str]:
-    """Serve an application in this event loop on a free port; yield its base URL."""
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
+async def running_app(app: web.Application, runner: web.AppRunner | None = None) -> AsyncIterator[str]:
+    """Serve an application in this event loop on a free port (with `runner`, made for it, if
+    given); yield its base URL."""
+    runner = runner or web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

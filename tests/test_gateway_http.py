@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gzip
 import json
 import logging
 import signal
@@ -21,8 +22,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from specgate.calibration.modes import Pool
-from specgate.gateway.app import make_app
+from specgate.gateway.app import make_app, make_runner
 from specgate.gateway.config import GatewaySettings, Retries, Timeouts
+from specgate.gateway.server import Limits
 from specgate.policies.decision import Shedding
 from specgate.policies.document import PolicyDocument
 from specgate.testing import SimProcess, running_app, sample_value
@@ -56,7 +58,8 @@ def settings_for(pools: dict[Pool, list[str]], **changes: Any) -> GatewaySetting
 
 
 def running_gateway(settings: GatewaySettings) -> contextlib.AbstractAsyncContextManager[str]:
-    return running_app(make_app(settings))
+    app = make_app(settings)
+    return running_app(app, make_runner(app, dataclasses.replace(settings, shutdown_grace_s=1.0)))
 
 
 def urls(fleet: dict[Pool, list[SimProcess]]) -> dict[Pool, list[str]]:
@@ -767,3 +770,84 @@ async def test_a_pool_that_fails_whole_and_a_busy_replica_do_not_fail_the_reques
                 assert raw.headers["x-route-pool"] == "plain"  # served by the other pool every time
             up = await gateway_samples(url, "specgate_replica_up")
     assert up["spec-2"] == 1.0  # answering 429 is being busy, not broken
+
+
+async def raw_exchange(url: str, data: bytes, read_for: float = 2.0) -> bytes:
+    """Send raw bytes on a fresh connection; what comes back before the connection closes."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(1 << 20), read_for)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    ("request_head", "status", "code"),
+    [
+        (b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "uri_too_long"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 10_000 + b"\r\n\r\n", 431, "header_too_large"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n", 431,
+         "header_too_large"),
+        (b"GARBAGE\r\n\r\n", 400, "bad_request"),
+        (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+         400, "bad_request"),
+        (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+         b"Content-Length: 100000000000\r\n\r\n", 413, "body_too_large"),
+    ],
+)  # fmt: skip
+async def test_requests_too_broken_for_a_handler_get_the_openai_error_shape(
+    gateway: str, request_head: bytes, status: int, code: str
+) -> None:
+    answer = await raw_exchange(gateway, request_head)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"%d" % status, head[:80]
+    assert json.loads(body)["error"]["code"] == code
+
+
+async def test_slow_and_idle_sockets_cannot_take_the_gateway_off_the_air(fleet: dict[Pool, list[SimProcess]]) -> None:
+    limits = Limits(header_timeout_s=0.5, idle_timeout_s=5.0, max_connections=20)
+    settings = dataclasses.replace(settings_for(urls(fleet)), limits=limits)
+    async with running_gateway(settings) as url:
+        host, port = url.removeprefix("http://").split(":")
+        slow = [await asyncio.open_connection(host, int(port)) for _ in range(20)]
+        for _, writer in slow:
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+        # past the limit: refused at once, in the OpenAI shape
+        full = await raw_exchange(url, b"", read_for=1.0)
+        assert full.split(b" ")[1] == b"503"
+        assert b'"code":"overloaded"' in full
+        # the slow ones are cut off after the head deadline, with a 408
+        answers = await asyncio.gather(*(asyncio.wait_for(reader.read(4096), 3.0) for reader, _ in slow))
+        assert all(a.split(b" ")[1] == b"408" for a in answers)
+        for _, writer in slow:
+            writer.close()
+        async with client(url) as api:  # and the gateway serves
+            reply = await api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+        assert reply.choices[0].message.content
+
+
+async def test_compressed_bodies_and_connection_named_headers() -> None:
+    async with (
+        running_app(echo_replica()) as replica,
+        running_gateway(settings_for({Pool.PLAIN: [replica]})) as url,
+    ):
+        body = json.dumps({"model": MODEL, "messages": MESSAGES}).encode()
+        headers = {
+            "Content-Encoding": "gzip", "Content-Type": "application/json", "Connection": "keep-alive, X-Secret",
+            "X-Secret": "hop", "x-api-key": "k", "Cookie": "c=1", "X-Forwarded-For": "10.0.0.1",
+        }  # fmt: skip
+        status, seen = await post(url, gzip.compress(body), headers)
+        assert status == 200
+        forwarded = seen["headers"]
+        assert seen["body"].encode() == body  # decoded once, and sent on without its encoding
+        assert "content-encoding" not in forwarded
+        assert "x-secret" not in forwarded  # named in Connection: hop-by-hop
+        assert "x-api-key" not in forwarded
+        assert "cookie" not in forwarded
+        assert forwarded["x-forwarded-for"] == "10.0.0.1, 127.0.0.1"
+        status, error = await post(url, b"not gzip at all", {"Content-Encoding": "gzip"})
+        assert status == 400
+        assert error["error"]["code"] == "invalid_body"
