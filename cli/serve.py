@@ -15,6 +15,8 @@ from specgate.cli.running import run_until_signalled
 
 ADMIN_TOKEN_ENV = "SPECGATE_ADMIN_TOKEN"
 """The admin API's bearer token, from the environment (a command-line flag would show in ps)."""
+API_KEYS_ENV = "SPECGATE_API_KEYS"
+"""Client keys (a JSON list of entries, hashed), from the environment: turns client keys on."""
 
 
 def add_command(sub: Subcommands) -> None:
@@ -40,7 +42,16 @@ def add_command(sub: Subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specgate.gateway.app import serve
-    from specgate.gateway.config import ConfigError, GatewaySettings, admin_token, load_settings, store_url
+    from specgate.gateway.clients import merged
+    from specgate.gateway.config import (
+        AuthSettings,
+        ConfigError,
+        GatewaySettings,
+        admin_token,
+        env_keys,
+        load_settings,
+        store_url,
+    )
     from specgate.gateway.embedded import embedded_pools
     from specgate.policies.document import DocumentError, revised
     from specgate.policies.registry import policy_kind
@@ -70,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
         token = os.environ.get(ADMIN_TOKEN_ENV)
         if token:
             changes["admin_token"] = admin_token(ADMIN_TOKEN_ENV, token)
+        keys = os.environ.get(API_KEYS_ENV)
+        if keys:
+            changes["auth"] = AuthSettings(True, merged(settings.auth.keys, env_keys(API_KEYS_ENV, keys)))
         return dataclasses.replace(settings, **changes)
 
     def ready(settings: GatewaySettings, url: str) -> None:
@@ -92,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
             store_url("--redis", args.redis)
         if os.environ.get(ADMIN_TOKEN_ENV):
             admin_token(ADMIN_TOKEN_ENV, os.environ[ADMIN_TOKEN_ENV])
+        if os.environ.get(API_KEYS_ENV):
+            env_keys(API_KEYS_ENV, os.environ[API_KEYS_ENV])
         configured = adjust(load_settings(args.config)) if args.config is not None else None
     except Invalid as exc:
         print(f"specgate serve: {exc}", file=sys.stderr)

@@ -17,7 +17,7 @@ import hmac
 import orjson
 from aiohttp import web
 
-from specgate.gateway.errors import BadRequest, GatewayError
+from specgate.gateway.errors import BadRequest, GatewayError, Unauthorized
 from specgate.gateway.policy_sync import STORE_ERRORS
 from specgate.gateway.state import POLICY, SETTINGS
 from specgate.gateway.store import VersionConflict
@@ -25,11 +25,6 @@ from specgate.policies.document import DocumentError, loads
 
 MAX_DOCUMENT_BYTES = 1024 * 1024
 MAX_REASON_CHARS = 500
-
-
-class Unauthorized(GatewayError):
-    status = 401
-    type = "authentication_error"
 
 
 class Conflict(GatewayError):

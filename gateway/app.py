@@ -18,6 +18,7 @@ from aiohttp import web
 
 from specgate.gateway.admin import add_admin_routes
 from specgate.gateway.admission import AdmissionControl
+from specgate.gateway.clients import Clients, merged, parse_keys
 from specgate.gateway.config import GatewaySettings
 from specgate.gateway.errors import openai_errors
 from specgate.gateway.handlers import add_routes
@@ -28,6 +29,7 @@ from specgate.gateway.server import GuardedRunner
 from specgate.gateway.state import FLEET, METRICS, POLICY, RELAY, SESSION, SETTINGS
 from specgate.gateway.store import PolicyStore
 from specgate.protocol.serving import serve_until_cancelled
+from specgate.validation import Invalid
 from specgate.workers.pools import Fleet
 
 _log = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     store = PolicyStore.connect(settings.store.url, settings.store.prefix) if settings.store.url else None
     control = PolicyControl(metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s)
     admission = AdmissionControl(fleet, metrics)
-    relay = Relay(settings, fleet, session, metrics, control, admission)
+    clients = Clients(settings.auth.keys) if settings.auth.enabled else None
+    relay = Relay(settings, fleet, session, metrics, control, admission, clients)
     app[SESSION], app[FLEET], app[METRICS], app[RELAY], app[POLICY] = session, fleet, metrics, relay, control
     # One round of scrapes before serving, so a gateway in front of live replicas is ready at once.
     await asyncio.gather(*(fleet.scrape_once(session, r) for r in fleet.replicas.values()))
@@ -60,6 +63,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(*STORE_ERRORS, TimeoutError):
             await asyncio.wait_for(control.resync(), timeout=2.0)
         tasks.append(asyncio.create_task(control.follow(), name="policy-store"))
+        if clients is not None:
+            tasks.append(asyncio.create_task(follow_keys(clients, settings, store), name="client-keys"))
     try:
         yield
     finally:
@@ -71,6 +76,21 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         if store is not None:
             await store.close()
         await session.close()
+
+
+async def follow_keys(clients: Clients, settings: GatewaySettings, store: PolicyStore) -> None:
+    """Until cancelled: the client keys in Redis, merged over the configured ones, re-read as
+    often as the policy."""
+    while True:
+        with contextlib.suppress(*STORE_ERRORS, TimeoutError):
+            entries = await asyncio.wait_for(store.client_keys(), timeout=settings.store.refresh_s)
+            try:
+                keys = parse_keys(list(entries.values()), "redis clients")
+            except Invalid as exc:
+                _log.error("client keys in the store are invalid, keeping the current ones: %s", exc)
+            else:
+                clients.replace_keys(merged(settings.auth.keys, keys))
+        await asyncio.sleep(settings.store.refresh_s)
 
 
 def make_app(settings: GatewaySettings) -> web.Application:

@@ -36,6 +36,7 @@ import msgspec
 from msgspec import Meta
 
 from specgate.calibration.modes import Pool
+from specgate.gateway.clients import ClientKey, merged, parse_keys
 from specgate.gateway.server import Limits
 from specgate.policies.document import DocumentError, PolicyDocument
 from specgate.policies.document import parse as parse_document
@@ -88,6 +89,16 @@ class StoreSettings:
 
 
 @dataclass(frozen=True)
+class AuthSettings:
+    """Client keys: off by default (a local run needs none)."""
+
+    enabled: bool = False
+    keys: Mapping[str, ClientKey] = field(default_factory=dict)
+    """By SHA-256: from the config's [auth] keys and keys_file, and SPECGATE_API_KEYS; Redis adds
+    its own ({prefix}:clients) while the gateway runs."""
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     models: tuple[str, ...]
     pools: Mapping[Pool, tuple[str, ...]]
@@ -108,6 +119,7 @@ class GatewaySettings:
     store: StoreSettings = field(default_factory=StoreSettings)
     admin_token: str | None = None
     """Bearer token of the admin API (/admin/policy); None turns the API off."""
+    auth: AuthSettings = field(default_factory=AuthSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
 
 
@@ -185,6 +197,13 @@ class _Admin(_Section, frozen=True):
     token: str
 
 
+class _Auth(_Section, frozen=True):
+    enabled: bool = False
+    keys_file: NonEmpty | None = None
+    """A TOML file of [[keys]] tables, or a JSON list of them."""
+    keys: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+
 class _File(_Section, frozen=True):
     """The config file; [policy] and [launch] are checked by their own parsers."""
 
@@ -197,6 +216,7 @@ class _File(_Section, frozen=True):
     proxy: _Proxy = _Proxy()
     store: _Store = _Store()
     admin: _Admin | None = None
+    auth: _Auth = _Auth()
     policy: dict[str, Any] = msgspec.field(default_factory=dict)
     launch: dict[str, Any] | None = None
 
@@ -279,6 +299,7 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
             refresh_s=store.refresh_ms / 1e3,
         ),
         admin_token=admin_token("admin.token", file.admin.token) if file.admin is not None else None,
+        auth=AuthSettings(file.auth.enabled, _client_keys(file.auth, base)),
         fleet=FleetSettings(
             scrape_interval_s=scrape.interval_ms / 1e3,
             scrape_timeout_s=scrape.timeout_ms / 1e3,
@@ -289,6 +310,36 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
             hang_after_s=scrape.hang_after_ms / 1e3,
         ),
     )
+
+
+def _client_keys(auth: _Auth, base: Path) -> dict[str, ClientKey]:
+    try:
+        inline = parse_keys(auth.keys, "auth.keys")
+        from_file = read_keys(base / auth.keys_file) if auth.keys_file is not None else {}
+    except Invalid as exc:
+        raise ConfigError(exc.field, exc.message) from None
+    return merged(inline, from_file)
+
+
+def read_keys(path: Path) -> dict[str, ClientKey]:
+    """A keys file: TOML with [[keys]] tables, or a JSON list of the same entries."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
+    try:
+        entries = msgspec.json.decode(text) if path.suffix == ".json" else tomllib.loads(text).get("keys", [])
+    except (msgspec.DecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(str(path), f"not a keys file: {exc}") from None
+    return parse_keys(entries, str(path))
+
+
+def env_keys(name: str, value: str) -> dict[str, ClientKey]:
+    """Keys from an environment variable: a JSON list of entries."""
+    try:
+        return parse_keys(msgspec.json.decode(value), name)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(name, f"not a JSON list of keys: {exc}") from None
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -6,7 +6,10 @@
      │    ├── BadBody          400     a body that is not JSON, or a field of the wrong type
      │    ├── SloInfeasible    400     no replica could meet the request's SLOs even idle
      │    └── ContextTooLong   400     the prompt does not fit any replica's max_model_len
+     ├── Unauthorized          401     no known API key (client keys on), or a wrong admin token
+     ├── Forbidden             403     the key may not force a pool or claim that priority
      ├── ModelNotFound         404     model_not_found
+     ├── UnsupportedMediaType  415     a form or text/plain body (what a cross-site page can send)
      ├── BodyTooLarge          413     body_too_large
      ├── Overloaded            429     the request cannot meet its SLO now, its wait in the admission queue
      │                                 ran out, or the queue is full (Retry-After says when to retry)
@@ -71,6 +74,26 @@ class ContextTooLong(BadRequest):
     """The prompt does not fit any replica's context window (vLLM's `max_model_len`)."""
 
     code = "context_length_exceeded"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class UnsupportedMediaType(GatewayError):
+    """A body declared as a browser form or plain text: a cross-site request, not an API client."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class ModelNotFound(GatewayError):

@@ -21,6 +21,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from specgate.gateway.admission import AdmissionControl
 from specgate.gateway.attempt import Attempt, RetryElsewhere
 from specgate.gateway.body import parse_body
+from specgate.gateway.clients import Clients, check_rights
 from specgate.gateway.config import GatewaySettings
 from specgate.gateway.errors import (
     BadBody,
@@ -30,6 +31,7 @@ from specgate.gateway.errors import (
     NoHealthyReplica,
     Overloaded,
     SloInfeasible,
+    UnsupportedMediaType,
 )
 from specgate.gateway.feedback import Feedback
 from specgate.gateway.journey import Journey, upstream_headers
@@ -43,6 +45,10 @@ from specgate.policies.registry import RoutingPlan
 from specgate.protocol.endpoints import Endpoint
 from specgate.workers.pools import Fleet
 from specgate.workers.snapshot import Snapshot
+
+CROSS_SITE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
+"""Bodies a web page on another site may send without the browser asking first: refused, so that
+a page a user visits cannot spend the gateway's capacity in their name."""
 
 
 class PlanSource(Protocol):
@@ -61,6 +67,7 @@ class Relay:
         metrics: GatewayMetrics,
         plans: PlanSource,
         admission: AdmissionControl,
+        clients: Clients | None = None,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
@@ -68,6 +75,8 @@ class Relay:
         self.metrics = metrics
         self.plans = plans
         self.admission = admission
+        self.clients = clients
+        """Client keys, when they are required."""
         self.lengths = LengthStats()
         self.feedback = Feedback(metrics, self.lengths, access_log=settings.access_log)
         self._sequence = itertools.count(1)  # 0 would make the very first request an exploration
@@ -78,9 +87,18 @@ class Relay:
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         try:
+            key = self.clients.identify(request.headers) if self.clients is not None else None
             journey = await self._journey(request, endpoint)
+            if key is not None:
+                check_rights(key, journey.headers.forced_pool, journey.headers.priority)
         except GatewayError as error:
             self.feedback.refused(None, error)
+            raise
+        try:
+            if key is not None and self.clients is not None:
+                self.clients.admit(key)
+        except GatewayError as error:
+            self.feedback.refused(journey, error)
             raise
         self.routing += 1
         try:
@@ -90,8 +108,12 @@ class Relay:
             raise
         finally:
             self.routing -= 1
+            if key is not None and self.clients is not None:
+                self.clients.release(key)
 
     async def _journey(self, request: web.Request, endpoint: Endpoint) -> Journey:
+        if request.content_type in CROSS_SITE_TYPES:
+            raise UnsupportedMediaType(f"send the body as application/json, not {request.content_type}")
         limit = self.settings.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise BodyTooLarge(f"request body exceeds {limit} bytes")  # at once: not after reading it

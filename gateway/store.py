@@ -6,7 +6,8 @@ Keys, under a configurable prefix so that several deployments can share one Redi
   (Unix seconds), `why`;
 - `{prefix}:policy:history` — a list of the same records as JSON, newest first, at most
   `history_limit` long;
-- `{prefix}:policy:changed` — the pub/sub channel every write announces its version on.
+- `{prefix}:policy:changed` — the pub/sub channel every write announces its version on;
+- `{prefix}:clients` — a hash of client name to client key entry (JSON), when client keys are on.
 
 A write is one Lua script, so it is atomic: it compares the version the writer last read with the
 current one (compare-and-set: two operators cannot silently overwrite each other), bumps the
@@ -91,6 +92,7 @@ class PolicyStore:
         self.key = f"{prefix}:policy"
         self.history_key = f"{prefix}:policy:history"
         self.channel = f"{prefix}:policy:changed"
+        self.clients_key = f"{prefix}:clients"
         self.history_limit = history_limit
         self._write = client.register_script(_WRITE)
 
@@ -129,6 +131,18 @@ class PolicyStore:
         if not ok:
             raise VersionConflict(expected_version if expected_version is not None else -1, int(version))
         return StoredPolicy(int(version), text, who, when, why)
+
+    async def client_keys(self) -> dict[str, object]:
+        """The client key entries kept under `{prefix}:clients` (name -> JSON entry), decoded;
+        an entry that is not JSON is left out."""
+        raw = await self.client.hgetall(self.clients_key)
+        out: dict[str, object] = {}
+        for name, value in raw.items():
+            try:
+                out[str(name)] = orjson.loads(value)
+            except orjson.JSONDecodeError:
+                continue
+        return out
 
     async def history(self, limit: int | None = None) -> list[StoredPolicy]:
         """Newest first."""

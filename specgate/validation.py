@@ -51,7 +51,9 @@ _MISSING = re.compile(r"^Object missing required field `(?P<name>.*)`$", re.S)
 
 
 def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
+    if not path:
+        return name
+    return f"{path}{name}" if name.startswith("[") else f"{path}.{name}"
 
 
 def _plain(path: str) -> str:

@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specgate.calibration.modes import Pool
 from specgate.gateway.app import make_app, make_runner
-from specgate.gateway.config import GatewaySettings, Retries, Timeouts
+from specgate.gateway.clients import ClientKey, hashed
+from specgate.gateway.config import AuthSettings, GatewaySettings, Retries, Timeouts
 from specgate.gateway.server import Limits
 from specgate.policies.decision import Shedding
 from specgate.policies.document import PolicyDocument
@@ -851,3 +852,33 @@ async def test_compressed_bodies_and_connection_named_headers() -> None:
         status, error = await post(url, b"not gzip at all", {"Content-Encoding": "gzip"})
         assert status == 400
         assert error["error"]["code"] == "invalid_body"
+
+
+async def test_client_keys_authenticate_limit_and_grant_rights(fleet: dict[Pool, list[SimProcess]]) -> None:
+    limited = ClientKey(name="limited", sha256=hashed("sg-limited"), rate_per_s=1.0, burst=1)
+    ops = ClientKey(name="ops", sha256=hashed("sg-ops"), may_force_pool=True)
+    auth = AuthSettings(True, {k.sha256: k for k in (limited, ops)})
+    async with running_gateway(settings_for(urls(fleet), auth=auth)) as url, aiohttp.ClientSession() as session:
+        chat = f"{url}/v1/chat/completions"
+
+        async def status(key: str | None, extra: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            async with session.post(chat, data=GOOD, headers={**headers, **(extra or {})}) as r:
+                return r.status, json.loads(await r.read())
+
+        assert (await status(None))[0] == 401
+        assert (await status("sg-unknown"))[1]["error"]["type"] == "authentication_error"
+        assert (await status("sg-limited"))[0] == 200
+        code, error = await status("sg-limited")  # its one request per second is spent
+        assert (code, error["error"]["code"]) == (429, "rate_limited")
+        code, error = await status("sg-ops", {"x-route-pool": "plain"})
+        assert code == 200
+        await asyncio.sleep(1.0)
+        code, error = await status("sg-limited", {"x-route-pool": "plain"})
+        assert (code, error["error"]["param"]) == (403, "x-route-pool")
+        # a page on another site cannot post in a browser's name
+        async with session.post(chat, data=GOOD, headers={"Content-Type": "text/plain",
+                                                          "Authorization": "Bearer sg-ops"}) as r:  # fmt: skip
+            assert r.status == 415
+        async with session.get(f"{url}/ready") as r:
+            assert all("url" not in replica for replica in (await r.json())["replicas"].values())
