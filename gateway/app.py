@@ -3,7 +3,8 @@
 One `cleanup_ctx` owns every shared resource: the single upstream `ClientSession`, the fleet and
 its scrapers, the relay, the policy control and, with a store, its Redis client and the task that
 follows it. Cleanup runs only if start-up succeeded; background tasks are cancelled and awaited on
-the way out. Serving waits for in-flight requests up to the shutdown grace period.
+the way out. Serving waits for in-flight requests up to the shutdown grace period, then answers
+those still running (a 503, or an error event that ends a stream) instead of dropping them.
 """
 
 from __future__ import annotations
@@ -93,10 +94,18 @@ async def follow_keys(clients: Clients, settings: GatewaySettings, store: Policy
         await asyncio.sleep(settings.store.refresh_s)
 
 
+async def _drain(app: web.Application) -> None:
+    """On the way out (no new connections accepted any more): requests in flight get the shutdown
+    grace period to finish, then are answered with a 503 or an error event ending their stream."""
+    if RELAY in app:
+        await app[RELAY].drain(app[SETTINGS].shutdown_grace_s)
+
+
 def make_app(settings: GatewaySettings) -> web.Application:
     app = web.Application(middlewares=[openai_errors], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_resources)
+    app.on_shutdown.append(_drain)
     add_routes(app)
     if settings.admin_token is not None:
         add_admin_routes(app)

@@ -6,8 +6,9 @@ socket only: a client that leaves mid-answer closes the upstream request (vLLM a
 frees its KV cache) and is never counted against the replica.
 
 A stream is relayed event by event as it arrives: bytes are passed on up to the last complete
-SSE event, and an unfinished event waits for its end, so that if the replica fails mid-event the
-client gets a well-formed error event rather than one glued to half an event.
+SSE event, and an unfinished event waits for its end. If the replica fails mid-stream the attempt
+raises `StreamBroke` with what the client has, and the relay either continues the answer on
+another replica (see `continuation`) or ends it with a well-formed error event.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from specgate.gateway.config import Timeouts
+from specgate.gateway.continuation import ClientStream, Continuation, count_tokens, shutting_down
 from specgate.gateway.errors import GatewayError, UpstreamBusy, UpstreamTimeout, UpstreamUnavailable
 from specgate.gateway.journey import Journey, hop_by_hop
 from specgate.gateway.sla import REQUEST_ID
@@ -28,14 +30,12 @@ from specgate.policies.decision import Decision
 from specgate.protocol.tokens import completion_tokens
 from specgate.workers.pools import Replica
 
-MID_STREAM_ERROR = (
-    b'data: {"error": {"message": "the replica failed mid-stream", "type": "server_error", '
-    b'"param": null, "code": "upstream_failed"}}\n\n'
-)
 MAX_HELD_BYTES = 1 << 20
 """An SSE event longer than this is passed on unfinished: the stream is not SSE after all."""
 CLIENT_GONE = 499
 """The status recorded for a request whose client left before its answer ended (nginx's code)."""
+SHUT_DOWN = 503
+"""The status recorded for a request cut because the gateway shut down."""
 _CLIENT_WRITE_ERRORS = (ConnectionError, RuntimeError)
 """What writing to a client that left raises (aiohttp: ClientConnectionResetError, a
 ConnectionResetError; RuntimeError on a closed transport)."""
@@ -47,6 +47,16 @@ class RetryElsewhere(Exception):
     def __init__(self, error: GatewayError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+class StreamBroke(Exception):
+    """The replica failed after the client's stream had begun: the stream is still open."""
+
+    def __init__(self, stream: ClientStream, *, resumable: bool = True) -> None:
+        super().__init__("the stream broke")
+        self.stream = stream
+        self.resumable = resumable
+        """False when no other replica can go on with it (the continuation itself was refused)."""
 
 
 @dataclass
@@ -70,6 +80,7 @@ class Attempt:
         timeouts: Timeouts,
         *,
         last: bool,
+        resuming: tuple[ClientStream, Continuation] | None = None,
     ) -> None:
         self.journey = journey
         self.replica = replica
@@ -78,57 +89,91 @@ class Attempt:
         self.timeouts = timeouts
         self.last = last
         """No other replica will be tried: a 5xx goes to the client as it is."""
+        self.resuming = resuming
+        """The client's stream this attempt continues, and how; None for a fresh request."""
         self.outcome = Outcome()
+        self.stream: ClientStream | None = None
+        """The client's stream, once it began."""
         self.started = 0.0
         self._got_first_byte = False
 
     async def run(self) -> web.StreamResponse:
-        """The client's response; `RetryElsewhere` when another replica may serve it instead."""
+        """The client's response; `RetryElsewhere` when another replica may serve it instead,
+        `StreamBroke` when the replica failed after the client's stream began."""
         replica, prompt = self.replica, self.journey.features.prompt_tokens
         self.started = time.monotonic()
+        body = await self._body()
         replica.dispatched_one(prompt, self.started)
         watchdog = Watchdog(self.timeouts.first_byte_s, self.timeouts.idle_s)
         replica.waiting.add(watchdog.fire)  # ejected meanwhile (hung, say): go elsewhere
         try:
             try:
-                upstream = await self._send(watchdog)
+                upstream = await self._send(body, watchdog)
             finally:
                 replica.waiting.discard(watchdog.fire)
             self._got_first_byte = True
             watchdog.started()
             replica.first_byte(prompt)
+            replica.streaming.add(watchdog.fire)  # found hung meanwhile: go on elsewhere
             try:
-                if upstream.status >= 500 and not self.last:
-                    replica.failed(f"answered {upstream.status}")
-                    raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} answered {upstream.status}"))
-                if upstream.status == 429 and not self.last:  # busy, not broken: no failure of its health
-                    raise RetryElsewhere(UpstreamBusy(f"replica {replica.name} answered 429"))
-                self.outcome.status = upstream.status
-                if upstream.content_type == "text/event-stream":
-                    response = await self._stream(upstream, watchdog)
-                else:
-                    response = await self._whole(upstream, watchdog)
+                response = await self._answer(upstream, watchdog)
             except BaseException:
                 upstream.close()
                 raise
+            finally:
+                replica.streaming.discard(watchdog.fire)
             upstream.release()
             if upstream.status >= 500:
                 replica.failed(f"answered {upstream.status}")
             elif self.outcome.status < 500:
                 replica.succeeded()
             return response
-        except asyncio.CancelledError:
-            self.outcome.status = CLIENT_GONE  # the client left: its handler is cancelled
+        except asyncio.CancelledError as cancel:  # the client left, or the gateway is shutting down
+            self.outcome.status = SHUT_DOWN if shutting_down(cancel) else CLIENT_GONE
             raise
         finally:
             watchdog.stop()
             replica.finished(got_first_byte=self._got_first_byte, prompt_tokens=prompt)
 
-    async def _send(self, watchdog: Watchdog) -> aiohttp.ClientResponse:
+    async def _body(self) -> bytes:
+        """The request body for this replica: the client's, or the continuation of its stream."""
+        if self.resuming is None:
+            return self.journey.raw
+        stream, continuation = self.resuming
+        done = continuation.progress
+        tokens = await count_tokens(
+            self.session, self.replica.url, self.journey.fields.model, done.text, done.content_events
+        )
+        body = continuation.request_body(tokens)
+        if body is None:  # the answer had used up its tokens: nothing left to ask for
+            raise StreamBroke(stream, resumable=False)
+        return body
+
+    async def _answer(self, upstream: aiohttp.ClientResponse, watchdog: Watchdog) -> web.StreamResponse:
+        replica = self.replica
+        if self.resuming is not None and (upstream.status != 200 or upstream.content_type != "text/event-stream"):
+            # The client's stream is open: only another stream can go on with it.
+            if upstream.status >= 500 or upstream.status == 429:
+                replica.failed(f"answered {upstream.status}") if upstream.status >= 500 else None
+                if not self.last:
+                    raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} answered {upstream.status}"))
+            self.outcome.status = 502
+            raise StreamBroke(self.resuming[0], resumable=False)
+        if upstream.status >= 500 and not self.last:
+            replica.failed(f"answered {upstream.status}")
+            raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} answered {upstream.status}"))
+        if upstream.status == 429 and not self.last:  # busy, not broken: no failure of its health
+            raise RetryElsewhere(UpstreamBusy(f"replica {replica.name} answered 429"))
+        self.outcome.status = upstream.status
+        if upstream.content_type == "text/event-stream":
+            return await self._stream(upstream, watchdog)
+        return await self._whole(upstream, watchdog)
+
+    async def _send(self, body: bytes, watchdog: Watchdog) -> aiohttp.ClientResponse:
         replica, journey = self.replica, self.journey
         try:
             return await self.session.post(
-                f"{replica.url}{journey.endpoint.value}", data=journey.raw, headers=journey.upstream_headers
+                f"{replica.url}{journey.endpoint.value}", data=body, headers=journey.upstream_headers
             )
         except asyncio.CancelledError:
             if not watchdog.absorb():
@@ -136,7 +181,7 @@ class Attempt:
             if replica.healthy:  # not ejected meanwhile (which fired this): its own failure
                 replica.failed("no first byte in time")
             error = UpstreamTimeout(f"replica {replica.name} sent nothing in time")
-            raise (error if self.last else RetryElsewhere(error)) from None
+            raise (error if self.last and self.resuming is None else RetryElsewhere(error)) from None
         except aiohttp.ClientConnectorError as exc:
             replica.failed(f"connect failed: {exc}", eject=True)
             raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} could not be reached")) from None
@@ -188,9 +233,18 @@ class Attempt:
         self.outcome.completion_tokens = completion_tokens(body)
         return web.Response(status=upstream.status, body=body, headers=self._response_headers(upstream))
 
+    async def _client_stream(self, upstream: aiohttp.ClientResponse) -> ClientStream:
+        if self.resuming is not None:
+            self.stream = self.resuming[0]
+        else:
+            response = web.StreamResponse(status=upstream.status, headers=self._response_headers(upstream))
+            await response.prepare(self.journey.request)
+            self.stream = ClientStream(response)
+        return self.stream
+
     async def _stream(self, upstream: aiohttp.ClientResponse, watchdog: Watchdog) -> web.StreamResponse:
-        response = web.StreamResponse(status=upstream.status, headers=self._response_headers(upstream))
-        await response.prepare(self.journey.request)
+        stream = await self._client_stream(upstream)
+        rewrite = self.resuming[1].rewrite if self.resuming is not None else None
         self.outcome.streamed = True
         first_at = 0.0
         events = 0
@@ -200,21 +254,13 @@ class Attempt:
             while True:
                 try:
                     chunk = await content.readany()
-                except asyncio.CancelledError:
-                    if not watchdog.absorb():
-                        raise
-                    self.replica.failed(f"stream silent for {self.timeouts.idle_s:g} s")
-                    self.outcome.status = 504
-                    await response.write(MID_STREAM_ERROR)
-                    break
                 except aiohttp.ClientError as exc:
                     self.replica.failed(f"stream broke: {exc!r}")
                     self.outcome.status = 502
-                    await response.write(MID_STREAM_ERROR)
-                    break
+                    raise StreamBroke(stream) from None
                 if not chunk:
                     if held:
-                        await response.write(held)
+                        await stream.send(held if rewrite is None else rewrite(held))
                     break
                 watchdog.last = time.monotonic()
                 if not first_at:
@@ -222,9 +268,25 @@ class Attempt:
                 events += chunk.count(b"data: ")
                 previous, last = last, chunk
                 ready, held = _complete_events(held + chunk)
+                if ready and rewrite is not None:
+                    ready = rewrite(ready)
                 if ready:
-                    await response.write(ready)
-            await response.write_eof()
+                    watchdog.writing = True
+                    await stream.send(ready)
+                    watchdog.writing = False
+            await stream.response.write_eof()
+        except asyncio.CancelledError:
+            if not watchdog.absorb():
+                raise
+            if watchdog.writing:  # the client stopped reading: its own doing, not the replica's
+                self.outcome.status = CLIENT_GONE
+                upstream.close()
+                if self.journey.request.transport is not None:
+                    self.journey.request.transport.abort()
+            else:
+                self.replica.failed(f"stream silent for {self.timeouts.idle_s:g} s")
+                self.outcome.status = 504
+                raise StreamBroke(stream) from None
         except _CLIENT_WRITE_ERRORS:
             # The client left mid-answer: not the replica's fault. Closing the upstream request
             # makes vLLM abort it.
@@ -236,7 +298,7 @@ class Attempt:
             tokens = self.outcome.completion_tokens or max(events - 2, 0)
             if tokens > 1:
                 self.outcome.tpot_s = (watchdog.last - first_at) / (tokens - 1)
-        return response
+        return stream.response
 
 
 def _complete_events(data: bytes) -> tuple[bytes, bytes]:
@@ -252,12 +314,14 @@ class Watchdog:
     starts, then `idle_s` between two chunks.
 
     One timer per attempt, re-armed only when it fires, instead of a timeout armed around every
-    read: the relay loop just records when the last chunk came.
+    read: the relay loop just records when the last chunk came, and whether it is writing to the
+    client (a silence then is the client's, who stopped reading).
     """
 
     def __init__(self, first_byte_s: float, idle_s: float) -> None:
         self.idle_s = idle_s
         self.last = time.monotonic()
+        self.writing = False
         self._fired = False
         self._task = asyncio.current_task()
         self._loop = asyncio.get_running_loop()

@@ -126,6 +126,12 @@ class NoHealthyReplica(GatewayError):
     code = "no_healthy_replica"
 
 
+class ShuttingDown(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "shutting_down"
+
+
 class UpstreamUnavailable(GatewayError):
     status = 502
     type = "server_error"

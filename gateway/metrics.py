@@ -52,6 +52,12 @@ class GatewayMetrics:
             "specgate_retries", "Requests retried on another replica before any byte reached the client.",
             ("pool",), registry=r,
         ))  # fmt: skip
+        self.failovers = _Children(Counter(
+            "specgate_stream_failovers",
+            "Streams whose replica failed midway, by outcome: resumed on another replica, failed "
+            "(no replica could go on with it), not_resumable (an answer that cannot be continued from its text).",
+            ("outcome",), registry=r,
+        ))  # fmt: skip
         self.ttft = _Children(Histogram(
             "specgate_ttft_seconds", "Observed time to first byte of streamed responses, per pool.",
             ("pool",), buckets=_LATENCY_BUCKETS, registry=r,

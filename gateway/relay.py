@@ -2,9 +2,12 @@
 
 The relay reads what a decision needs into a `Journey`, asks the plan in force for a replica and
 runs an `Attempt` there. An attempt that fails before any byte reached the client (a connect
-failure, a 5xx) raises `RetryElsewhere`; the relay then decides again without the replicas
-already tried, so the other pool serves when the first one's pool is down, up to
-`MAX_ATTEMPTS` replicas. Whatever the end, `Feedback` learns from it in one place.
+failure, a 5xx, a 429) raises `RetryElsewhere`; the relay then decides again without the replicas
+already tried, so the other pool serves when the first one's pool is down, up to the configured
+number of replicas and within the retry budget. An attempt whose replica fails after the client's
+stream began raises `StreamBroke`; the relay then continues the stream on another replica, within
+the same bounds, or ends it with an error event. Whatever the end, `Feedback` learns from it in
+one place.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
@@ -19,10 +23,11 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from specgate.gateway.admission import AdmissionControl
-from specgate.gateway.attempt import Attempt, RetryElsewhere
+from specgate.gateway.attempt import Attempt, RetryElsewhere, StreamBroke
 from specgate.gateway.body import parse_body
 from specgate.gateway.clients import Clients, check_rights
 from specgate.gateway.config import GatewaySettings
+from specgate.gateway.continuation import SHUTDOWN, SHUTDOWN_ERROR, ClientStream, Continuation, resumable, shutting_down
 from specgate.gateway.errors import (
     BadBody,
     BodyTooLarge,
@@ -30,6 +35,7 @@ from specgate.gateway.errors import (
     GatewayError,
     NoHealthyReplica,
     Overloaded,
+    ShuttingDown,
     SloInfeasible,
     UnsupportedMediaType,
 )
@@ -84,8 +90,29 @@ class Relay:
         """Requests being routed or relayed now."""
         self.retrying = 0
         """Of those, requests on a retry."""
+        self._handlers: set[asyncio.Task[object]] = set()
+
+    async def drain(self, grace_s: float, farewell_s: float = 2.0) -> None:
+        """Let the requests in flight finish for up to `grace_s`; then cut the rest, each told why
+        (a 503, or an error event ending its stream), taking up to `farewell_s` more."""
+        if self._handlers:
+            await asyncio.wait(set(self._handlers), timeout=grace_s)
+        for task in self._handlers:
+            task.cancel(SHUTDOWN)
+        if self._handlers:
+            await asyncio.wait(set(self._handlers), timeout=farewell_s)
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - aiohttp runs every handler in a task
+            raise RuntimeError("a request handler runs in a task")
+        self._handlers.add(task)
+        try:
+            return await self._handle(request, endpoint)
+        finally:
+            self._handlers.discard(task)
+
+    async def _handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         try:
             key = self.clients.identify(request.headers) if self.clients is not None else None
             journey = await self._journey(request, endpoint)
@@ -151,6 +178,22 @@ class Relay:
         return Journey(request, endpoint, raw, fields, headers, features, plan, forwarded)
 
     async def _route(self, journey: Journey) -> web.StreamResponse:
+        route = _Route()
+        try:
+            return await self._attempts(journey, route)
+        except asyncio.CancelledError as cancel:
+            if not shutting_down(cancel):
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # cut by the shutdown, the request is answered rather than dropped
+            stream = route.stream
+            if stream is None:
+                raise ShuttingDown("the gateway is shutting down; send the request again") from None
+            await stream.fail(SHUTDOWN_ERROR)
+            return stream.response
+
+    async def _attempts(self, journey: Journey, route: _Route) -> web.StreamResponse:
         plan = journey.plan
         retries = self.settings.retries
         failure: GatewayError | None = None
@@ -169,6 +212,8 @@ class Relay:
                 break
             if isinstance(verdict, Shed):
                 self.metrics.decisions.labels(plan.policy.name, "none", verdict.reason).inc()
+                if route.broken_by is not None:
+                    break
                 raise _refusal(verdict)
             decision = verdict
             replica = self.fleet.replicas[decision.replica.name]
@@ -177,22 +222,51 @@ class Relay:
             if number:
                 self.metrics.retries.labels(replica.pool.value).inc()
             last = number == retries.max_attempts - 1
-            attempt = Attempt(journey, replica, decision, self.session, self.settings.timeouts, last=last)
+            resuming = route.resuming()
+            attempt = Attempt(
+                journey, replica, decision, self.session, self.settings.timeouts, last=last, resuming=resuming
+            )
             self.retrying += bool(number)
             try:
                 response = await attempt.run()
             except RetryElsewhere as retry:
                 failure = retry.error
                 continue
+            except StreamBroke as broke:
+                route.stream, route.broken_by = broke.stream, attempt
+                route.continuation = self._continuation(journey, broke) if broke.resumable else None
+                if route.continuation is None:
+                    break
+                continue
             except asyncio.CancelledError:
-                self.feedback.answered(journey, attempt)  # the client left
+                route.stream = attempt.stream or route.stream
+                self.feedback.answered(journey, attempt)  # the client left, or the gateway is shutting down
                 raise
             finally:
                 self.retrying -= bool(number)
                 self.admission.kick()  # the replica has room again
             self.feedback.answered(journey, attempt)
+            if resuming is not None:
+                self.metrics.failovers.labels("resumed").inc()
             return response
-        raise failure or NoHealthyReplica("no healthy replica can take the request")
+        stream = route.stream
+        if route.broken_by is None or stream is None:
+            raise failure or NoHealthyReplica("no healthy replica can take the request")
+        if journey.headers.failover:
+            self.metrics.failovers.labels("failed" if stream.failovers else "not_resumable").inc()
+        await stream.fail()  # its headers went out long ago: the stream ends with an error event
+        self.feedback.answered(journey, route.broken_by)
+        return stream.response
+
+    @staticmethod
+    def _continuation(journey: Journey, broke: StreamBroke) -> Continuation | None:
+        """How the broken stream goes on elsewhere; None when it must end here."""
+        if not journey.headers.failover:
+            return None
+        continuation = resumable(journey.raw, journey.endpoint, broke.stream.sent)
+        if continuation is not None:
+            broke.stream.failovers += 1
+        return continuation
 
     def _may_retry(self) -> bool:
         """Within the retry budget: a share of the requests in flight, so that a fleet failing
@@ -213,6 +287,22 @@ class Relay:
                 param="messages" if journey.endpoint is Endpoint.CHAT else "prompt",
             )
         return fitting
+
+
+@dataclass
+class _Route:
+    """Where one request's attempts stand once the client's stream began."""
+
+    stream: ClientStream | None = None
+    broken_by: Attempt | None = None
+    """The last attempt whose replica failed midway through the stream."""
+    continuation: Continuation | None = None
+    """How the stream goes on elsewhere; None when it cannot."""
+
+    def resuming(self) -> tuple[ClientStream, Continuation] | None:
+        if self.stream is None or self.continuation is None:
+            return None
+        return self.stream, self.continuation
 
 
 def _refusal(shed: Shed) -> GatewayError:

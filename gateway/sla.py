@@ -26,6 +26,7 @@ ROUTE_POOL = "x-route-pool"
 PRIORITY = "x-priority"
 REQUEST_ID = "x-request-id"
 REQUEST_CLASS = "x-request-class"
+FAILOVER = "x-failover"
 
 OutputTokens = Annotated[int, Meta(ge=1, le=10_000_000)]
 
@@ -40,6 +41,9 @@ class RoutingHeaders:
     request_id: str
     request_class: str = ""
     """`x-request-class`: picks the class's default SLOs and groups learned output lengths."""
+    failover: bool = True
+    """`x-failover: off`: a stream whose replica fails midway ends with an error event instead
+    of going on from another replica."""
 
 
 def _value(headers: CIMultiDictProxy[str], name: str, kind: Any) -> Any:
@@ -71,6 +75,9 @@ def parse_routing_headers(headers: CIMultiDictProxy[str], slo_for: Callable[[str
     request_class = _value(headers, REQUEST_CLASS, ClassName) if headers.get(REQUEST_CLASS) else ""
     defaults = slo_for(request_class)
     priority = _value(headers, PRIORITY, Priority)
+    failover = _value(headers, FAILOVER, str)
+    if failover is not None and failover.lower() not in ("on", "off"):
+        raise BadHeader(f"{FAILOVER} must be 'on' or 'off', got {failover[:64]!r}", param=FAILOVER)
     return RoutingHeaders(
         slo_ttft_ms=ttft if ttft is not None else defaults.ttft_ms,
         slo_tpot_ms=tpot if tpot is not None else defaults.tpot_ms,
@@ -79,4 +86,5 @@ def parse_routing_headers(headers: CIMultiDictProxy[str], slo_for: Callable[[str
         priority=priority if priority is not None else 0,
         request_id=_value(headers, REQUEST_ID, RequestId) or os.urandom(16).hex(),
         request_class=request_class,
+        failover=failover is None or failover.lower() == "on",
     )

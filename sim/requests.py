@@ -13,6 +13,7 @@ from typing import Any
 
 from specgate.protocol.endpoints import Endpoint
 from specgate.protocol.tokens import chat_prompt_tokens, completion_prompt_tokens
+from specgate.sim.text import count_words
 
 SCRIPTED_OUTPUT_FIELD = "specgate_sim_output_tokens"
 
@@ -72,6 +73,11 @@ def _count_prompt(endpoint: Endpoint, body: dict[str, Any]) -> int:
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise SimRequestError(f"messages[{i}] must be an object with a string 'role'", param="messages")
+        last = messages[-1]
+        if body.get("continue_final_message") is True and last["role"] == "assistant":
+            # An answer to go on with: its text is tokenized as the replica's answers are made.
+            content = last.get("content")
+            return chat_prompt_tokens(messages[:-1]) + count_words(content if isinstance(content, str) else "")
         return chat_prompt_tokens(messages)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

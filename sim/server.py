@@ -1,7 +1,7 @@
 """The simulated replica's HTTP face: the routes and shapes of `vllm serve`.
 
-`POST /v1/chat/completions` and `/v1/completions` (streaming and not), `GET /v1/models`,
-`GET /health` and `GET /metrics`. As in vLLM, a streamed response starts (status line,
+`POST /v1/chat/completions` and `/v1/completions` (streaming and not), `POST /tokenize`,
+`GET /v1/models`, `GET /health` and `GET /metrics`. As in vLLM, a streamed response starts (status line,
 headers, the role chunk) only when the first token exists, and every engine step's tokens go
 out as one chunk, so a speculative replica sends its accepted runs in bursts.
 """
@@ -26,6 +26,7 @@ from specgate.sim.metrics import CONTENT_TYPE
 from specgate.sim.realtime import RealtimeEngine, SimSettings, Submission
 from specgate.sim.requests import GenerationRequest, SimRequestError, parse_request
 from specgate.sim.responses import ResponseIds
+from specgate.sim.text import count_words
 
 _log = logging.getLogger(__name__)
 
@@ -141,6 +142,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, Endpoint.COMPLETIONS)
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's `/tokenize` for a text prompt, by the simulated tokenizer: a token per word, as the
+    replica's own answers are made."""
+    body = await _read_json(request)
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(prompt, str):
+        raise SimRequestError("'prompt' must be a string", param="prompt")
+    count = count_words(prompt)
+    max_model_len = request.app[SETTINGS].profile.max_model_len
+    answer = {"count": count, "max_model_len": max_model_len, "tokens": list(range(count)), "token_strs": None}
+    return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+
 async def models(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     body = responses.models_list(settings.model, request.app[STARTED], settings.profile.max_model_len)
@@ -164,6 +178,7 @@ def make_app(settings: SimSettings) -> web.Application:
     app.cleanup_ctx.append(_replica_ctx)
     app.router.add_post(Endpoint.CHAT, chat_completions)
     app.router.add_post(Endpoint.COMPLETIONS, completions)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

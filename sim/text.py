@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 
 # Median 129 and mean 211 (the conversation trace's outputs) give sigma = sqrt(2 ln(211/129)).
@@ -37,3 +38,12 @@ class Words:
 
     def take(self, n: int) -> str:
         return "".join(self.rng.choice(_WORDS) for _ in range(n))
+
+
+_WORD = re.compile(r"\s*\S+")
+
+
+def count_words(text: str) -> int:
+    """Tokens in `text` by the simulated tokenizer: one per word with its leading space, as the
+    answers above are made."""
+    return len(_WORD.findall(text))

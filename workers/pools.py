@@ -80,6 +80,9 @@ class Replica:
         self.waiting: set[Callable[[], None]] = set()
         """Callbacks of the attempts still waiting for their first byte here, called if it is
         ejected: they give up on it and go elsewhere."""
+        self.streaming: set[Callable[[], None]] = set()
+        """Callbacks of the attempts relaying an answer from here, called if it is found hung:
+        their streams go on elsewhere."""
         self.in_flight = 0
         self.prefilling = 0
         self.prefill_tokens = 0
@@ -164,8 +167,8 @@ class Replica:
         if self.health.request_failed(time.monotonic() if now is None else now, reason, at_once=eject):
             self._ejected()
 
-    def _ejected(self) -> None:
-        for give_up in list(self.waiting):
+    def _ejected(self, *, hung: bool = False) -> None:
+        for give_up in list(self.waiting) + (list(self.streaming) if hung else []):
             give_up()
 
     def scrape_failed(self, reason: str, now: float | None = None) -> None:
@@ -198,7 +201,7 @@ class Replica:
             self._progress = (counters, now)
         elif now - since >= self.settings.hang_after_s and self.health.eject(now, "no progress"):
             self._progress = (counters, now)
-            self._ejected()
+            self._ejected(hung=True)
 
     def state(
         self,
