@@ -18,8 +18,9 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
+import orjson
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from specgate.gateway.config import Timeouts
 from specgate.gateway.continuation import ClientStream, Continuation, count_tokens, shutting_down
@@ -30,6 +31,8 @@ from specgate.policies.decision import Decision
 from specgate.protocol.tokens import completion_tokens
 from specgate.workers.pools import Replica
 
+MAX_ANSWER_BYTES = 64 << 20
+"""A whole (not streamed) answer longer than this is not an answer."""
 MAX_HELD_BYTES = 1 << 20
 """An SSE event longer than this is passed on unfinished: the stream is not SSE after all."""
 CLIENT_GONE = 499
@@ -44,9 +47,12 @@ ConnectionResetError; RuntimeError on a closed transport)."""
 class RetryElsewhere(Exception):
     """The attempt failed before any byte reached the client: another replica may serve it."""
 
-    def __init__(self, error: GatewayError) -> None:
+    def __init__(self, error: GatewayError, *, withdrawn: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
+        self.withdrawn = withdrawn
+        """The gateway gave up on the replica itself (ejected meanwhile): the request moves, it is
+        not retried after a failure of its own."""
 
 
 class StreamBroke(Exception):
@@ -123,10 +129,8 @@ class Attempt:
             finally:
                 replica.streaming.discard(watchdog.fire)
             upstream.release()
-            if upstream.status >= 500:
-                replica.failed(f"answered {upstream.status}")
-            elif self.outcome.status < 500:
-                replica.succeeded()
+            if upstream.status < 500 and upstream.status != 429 and self.outcome.status < 500:
+                replica.succeeded()  # (a 5xx was counted as its failure on arrival)
             return response
         except asyncio.CancelledError as cancel:  # the client left, or the gateway is shutting down
             self.outcome.status = SHUT_DOWN if shutting_down(cancel) else CLIENT_GONE
@@ -150,21 +154,22 @@ class Attempt:
         return body
 
     async def _answer(self, upstream: aiohttp.ClientResponse, watchdog: Watchdog) -> web.StreamResponse:
-        replica = self.replica
-        if self.resuming is not None and (upstream.status != 200 or upstream.content_type != "text/event-stream"):
+        replica, status = self.replica, upstream.status
+        if status >= 500:
+            replica.failed(f"answered {status}")
+        elif status == 429:  # busy, not broken: no failure of its health, but a rest
+            replica.busy(_retry_after_s(upstream.headers))
+        if self.resuming is not None and (status != 200 or upstream.content_type != "text/event-stream"):
             # The client's stream is open: only another stream can go on with it.
-            if upstream.status >= 500 or upstream.status == 429:
-                replica.failed(f"answered {upstream.status}") if upstream.status >= 500 else None
-                if not self.last:
-                    raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} answered {upstream.status}"))
+            if (status >= 500 or status == 429) and not self.last:
+                raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} answered {status}"))
             self.outcome.status = 502
             raise StreamBroke(self.resuming[0], resumable=False)
-        if upstream.status >= 500 and not self.last:
-            replica.failed(f"answered {upstream.status}")
-            raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} answered {upstream.status}"))
-        if upstream.status == 429 and not self.last:  # busy, not broken: no failure of its health
+        if status >= 500 and not self.last:
+            raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} answered {status}"))
+        if status == 429 and not self.last:
             raise RetryElsewhere(UpstreamBusy(f"replica {replica.name} answered 429"))
-        self.outcome.status = upstream.status
+        self.outcome.status = status
         if upstream.content_type == "text/event-stream":
             return await self._stream(upstream, watchdog)
         return await self._whole(upstream, watchdog)
@@ -178,10 +183,13 @@ class Attempt:
         except asyncio.CancelledError:
             if not watchdog.absorb():
                 raise
-            if replica.healthy:  # not ejected meanwhile (which fired this): its own failure
+            withdrawn = not replica.healthy  # ejected meanwhile, which fired this
+            if not withdrawn:  # its own failure
                 replica.failed("no first byte in time")
             error = UpstreamTimeout(f"replica {replica.name} sent nothing in time")
-            raise (error if self.last and self.resuming is None else RetryElsewhere(error)) from None
+            if self.last and self.resuming is None and not withdrawn:
+                raise error from None
+            raise RetryElsewhere(error, withdrawn=withdrawn) from None
         except aiohttp.ClientConnectorError as exc:
             replica.failed(f"connect failed: {exc}", eject=True)
             raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} could not be reached")) from None
@@ -217,17 +225,35 @@ class Attempt:
         return out
 
     async def _whole(self, upstream: aiohttp.ClientResponse, watchdog: Watchdog) -> web.Response:
+        """A whole answer, read before any of it goes out: whatever fails, nothing reached the
+        client, so another replica may still serve the request."""
+        replica = self.replica
+        error: GatewayError | None = None
+        parts: list[bytes] = []
+        size = 0
         try:
-            body = await upstream.read()
+            async for chunk in upstream.content.iter_any():
+                watchdog.last = replica.received_at = time.monotonic()
+                parts.append(chunk)
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES:
+                    replica.failed("answer past the size limit")
+                    error = UpstreamUnavailable(f"replica {replica.name} sent an answer past {MAX_ANSWER_BYTES} bytes")
+                    break
         except asyncio.CancelledError:
             if not watchdog.absorb():
                 raise
-            self.replica.failed("response body stalled")
-            raise UpstreamTimeout(f"replica {self.replica.name} stopped sending its answer") from None
+            replica.failed("response body stalled")
+            error = UpstreamTimeout(f"replica {replica.name} stopped sending its answer")
         except aiohttp.ClientError as exc:
-            self.replica.failed(f"answer broke: {exc!r}")
-            error = UpstreamUnavailable(f"replica {self.replica.name} failed while answering")
-            raise (error if self.last else RetryElsewhere(error)) from None
+            replica.failed(f"answer broke: {exc!r}")
+            error = UpstreamUnavailable(f"replica {replica.name} failed while answering")
+        body = b"".join(parts)
+        if error is None and upstream.status == 200 and not _is_json(body):  # a replica that lies
+            replica.failed("answered 200 with a body that is not JSON")
+            error = UpstreamUnavailable(f"replica {replica.name} answered with a malformed body")
+        if error is not None:
+            raise error if self.last else RetryElsewhere(error)
         # The client sees nothing before the whole answer: its first byte is the end.
         self.outcome.ttft_s = time.monotonic() - self.started
         self.outcome.completion_tokens = completion_tokens(body)
@@ -262,7 +288,7 @@ class Attempt:
                     if held:
                         await stream.send(held if rewrite is None else rewrite(held))
                     break
-                watchdog.last = time.monotonic()
+                watchdog.last = self.replica.received_at = time.monotonic()
                 if not first_at:
                     first_at = watchdog.last
                 events += chunk.count(b"data: ")
@@ -301,9 +327,28 @@ class Attempt:
         return stream.response
 
 
+BUSY_S = 1.0
+"""How long a replica that answered 429 without a Retry-After is left alone."""
+
+
+def _retry_after_s(headers: CIMultiDictProxy[str]) -> float:
+    """A 429's Retry-After in seconds (delay-seconds only; an HTTP date or nonsense: the default)."""
+    value = headers.get("Retry-After", "").strip()
+    return float(value) if value.isdigit() else BUSY_S
+
+
+def _is_json(body: bytes) -> bool:
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
 def _complete_events(data: bytes) -> tuple[bytes, bytes]:
     """`data` split after its last complete SSE event: (what can go out, what must wait)."""
-    end = max(data.rfind(b"\n\n") + 2, data.rfind(b"\r\n\r\n") + 4, 0)
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
     if end == 0 and len(data) > MAX_HELD_BYTES:
         return data, b""
     return data[:end], data[end:]

@@ -137,6 +137,7 @@ class _Server(_Section, frozen=True):
     shutdown_grace_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     access_log: bool = False
     header_timeout_ms: Milliseconds = 10_000.0
+    body_timeout_ms: Milliseconds = 60_000.0
     idle_timeout_ms: Milliseconds = 75_000.0
     max_connections: Annotated[int, Meta(ge=16, le=1_000_000)] = 4096
     max_line_bytes: Annotated[int, Meta(ge=256, le=1 << 20)] = 8190
@@ -280,6 +281,7 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
         timeouts=Timeouts(timeouts.connect_ms / 1e3, timeouts.first_byte_ms / 1e3, timeouts.idle_ms / 1e3),
         limits=Limits(
             header_timeout_s=file.server.header_timeout_ms / 1e3,
+            body_timeout_s=file.server.body_timeout_ms / 1e3,
             idle_timeout_s=file.server.idle_timeout_ms / 1e3,
             max_connections=file.server.max_connections,
             max_line_bytes=file.server.max_line_bytes,

@@ -76,6 +76,12 @@ class ContextTooLong(BadRequest):
     code = "context_length_exceeded"
 
 
+class BodyTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class Unauthorized(GatewayError):
     status = 401
     type = "authentication_error"

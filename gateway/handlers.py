@@ -45,7 +45,10 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     fleet = request.app[FLEET]
     # Names, pools and health only: replicas' internal addresses are not for anyone who asks.
-    replicas = {r.name: {"pool": r.pool.value, "healthy": r.healthy} for r in fleet.replicas.values()}
+    replicas = {
+        r.name: {"pool": r.pool.value, "healthy": r.healthy, "state": r.health.state.value}
+        for r in fleet.replicas.values()
+    }
     ok = fleet.any_healthy()
     body = {"status": "ready" if ok else "unready", "replicas": replicas}
     return web.Response(status=200 if ok else 503, body=orjson.dumps(body), content_type="application/json")

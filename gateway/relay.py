@@ -30,6 +30,7 @@ from specgate.gateway.config import GatewaySettings
 from specgate.gateway.continuation import SHUTDOWN, SHUTDOWN_ERROR, ClientStream, Continuation, resumable, shutting_down
 from specgate.gateway.errors import (
     BadBody,
+    BodyTimeout,
     BodyTooLarge,
     ContextTooLong,
     GatewayError,
@@ -145,7 +146,12 @@ class Relay:
         if request.content_length is not None and request.content_length > limit:
             raise BodyTooLarge(f"request body exceeds {limit} bytes")  # at once: not after reading it
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.settings.limits.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise BodyTimeout(
+                f"the request body did not arrive within {self.settings.limits.body_timeout_s:g} s"
+            ) from None
         except web.HTTPRequestEntityTooLarge:
             raise BodyTooLarge(f"request body exceeds {limit} bytes") from None
         except RequestPayloadError as exc:  # a Content-Encoding the bytes do not match, a broken chunk
@@ -197,11 +203,16 @@ class Relay:
         plan = journey.plan
         retries = self.settings.retries
         failure: GatewayError | None = None
+        withdrawn = False
         for number in range(retries.max_attempts):
-            if number:
+            # A failover, or a request withdrawn from a replica ejected meanwhile, is not held to the
+            # retry budget: its replica no longer serves it, so it moves load rather than adding to
+            # it; max_attempts bounds it per request.
+            if number and route.continuation is None and not withdrawn:
                 if not self._may_retry():
                     break
                 await asyncio.sleep(retries.backoff_s * 2 ** (number - 1))
+            withdrawn = False
             snapshot = self._fitting(journey, self.fleet.snapshot(time.monotonic()))
             if journey.tried:
                 snapshot = snapshot.without(frozenset(journey.tried))
@@ -230,7 +241,7 @@ class Relay:
             try:
                 response = await attempt.run()
             except RetryElsewhere as retry:
-                failure = retry.error
+                failure, withdrawn = retry.error, retry.withdrawn
                 continue
             except StreamBroke as broke:
                 route.stream, route.broken_by = broke.stream, attempt

@@ -4,7 +4,7 @@ to reach a handler gets its answer in the OpenAI error shape.
 - A connection must deliver a whole request head (request line and headers) within
   `header_timeout_s` of opening, or of its previous request ending (after `idle_timeout_s` of
   silence between requests it is closed): a slow sender (slowloris) holds a socket for seconds,
-  not an hour.
+  not an hour; its body is due within `body_timeout_s` more (408 after).
 - At most `max_connections` connections at once; the one past it is answered 503 and closed.
 - Request heads too large or malformed are answered 414 (URL), 431 (headers) or 400, and
   internal errors 500, all as `{"error": {...}}`, never aiohttp's plain text.
@@ -31,6 +31,8 @@ _log = logging.getLogger(__name__)
 class Limits:
     header_timeout_s: float = 10.0
     """To deliver a request's line and headers."""
+    body_timeout_s: float = 60.0
+    """To deliver a request's body once its headers arrived: longer is 408."""
     idle_timeout_s: float = 75.0
     """Silence allowed on a kept-alive connection between two requests."""
     max_connections: int = 4096

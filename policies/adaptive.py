@@ -141,10 +141,12 @@ class Adaptive:
         )
 
     def _infeasible(self, features: RequestFeatures, replicas: object) -> str:
-        return (
-            f"no replica could meet x-slo-ttft-ms {features.slo_ttft_ms} and x-slo-tpot-ms "
-            f"{features.slo_tpot_ms} even idle (a {features.prompt_tokens}-token prompt)"
-        )
+        targets = [
+            f"{name} {value:g}"
+            for name, value in (("x-slo-ttft-ms", features.slo_ttft_ms), ("x-slo-tpot-ms", features.slo_tpot_ms))
+            if value is not None
+        ]
+        return f"no replica could meet {' and '.join(targets)} even idle (a {features.prompt_tokens}-token prompt)"
 
     @staticmethod
     def _decision(option: _Option, reason: str, best_effort: bool = False) -> Decision:

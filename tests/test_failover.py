@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from specgate.calibration.modes import Pool
+from specgate.gateway.attempt import _complete_events
 from specgate.gateway.config import Timeouts
 from specgate.gateway.continuation import Continuation, progress, resumable
 from specgate.policies.document import PolicyDocument
@@ -92,6 +93,15 @@ def assert_one_whole_stream(stream: list[Any]) -> None:
     assert len({(e["id"], e["created"]) for e in chunks}) == 1  # one response, as far as the client sees
     roles = [e for e in chunks if e["choices"] and "role" in e["choices"][0].get("delta", {})]
     assert len(roles) <= 1
+
+
+@pytest.mark.parametrize(
+    ("data", "ready"),
+    [(b"dat", b""), (b"data: a\n\ndat", b"data: a\n\n"), (b"data: a\r\n\r\ndata: b\r\n", b"data: a\r\n\r\n"),
+     (b"data: a\n\n", b"data: a\n\n")],
+)  # fmt: skip
+def test_only_whole_events_go_out(data: bytes, ready: bytes) -> None:
+    assert _complete_events(data) == (ready, data[len(ready) :])
 
 
 # --- the continuation, as data --------------------------------------------------------------

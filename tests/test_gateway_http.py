@@ -809,7 +809,7 @@ async def test_requests_too_broken_for_a_handler_get_the_openai_error_shape(
 
 
 async def test_slow_and_idle_sockets_cannot_take_the_gateway_off_the_air(fleet: dict[Pool, list[SimProcess]]) -> None:
-    limits = Limits(header_timeout_s=0.5, idle_timeout_s=5.0, max_connections=20)
+    limits = Limits(header_timeout_s=0.5, body_timeout_s=1.0, idle_timeout_s=5.0, max_connections=20)
     settings = dataclasses.replace(settings_for(urls(fleet)), limits=limits)
     async with running_gateway(settings) as url:
         host, port = url.removeprefix("http://").split(":")
@@ -825,6 +825,17 @@ async def test_slow_and_idle_sockets_cannot_take_the_gateway_off_the_air(fleet: 
         assert all(a.split(b" ")[1] == b"408" for a in answers)
         for _, writer in slow:
             writer.close()
+        # a body that trickles: 408 when its deadline passes, however steadily it trickles
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{")  # fmt: skip
+        for _ in range(12):
+            await asyncio.sleep(0.1)
+            writer.write(b" ")
+        answer = await asyncio.wait_for(reader.read(4096), 3.0)
+        writer.close()
+        assert answer.split(b" ")[1] == b"408"
+        assert b'"code":"request_timeout"' in answer
         async with client(url) as api:  # and the gateway serves
             reply = await api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
         assert reply.choices[0].message.content

@@ -173,7 +173,9 @@ async def test_routing_follows_slo_headers(real_pools: RealPools) -> None:
     async with gateway(real_pools) as (url, _), client(url) as api:
         assert (await reason({}))[0] == "fastest"
         assert (await reason({"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "10000"}))[0] in ("meets-slo", "explore")
-        assert (await reason({"x-slo-ttft-ms": "0.01"}))[0] == "best-effort"
+        with pytest.raises(openai.BadRequestError, match=r"x-slo-ttft-ms 0\.01 even idle") as refused:
+            await reason({"x-slo-ttft-ms": "0.01"})  # out of reach of any replica: refused, not served late
+        assert refused.value.code == "slo_infeasible"
         assert await reason({"x-route-pool": "plain"}) == ("forced", "plain")
         assert await reason({"x-route-pool": "speculative"}) == ("forced", "speculative")
 
@@ -240,9 +242,13 @@ async def test_a_client_that_disconnects_frees_the_real_server(real_pools: RealP
         assert await server_gauge(real_pools.plain, "vllm:num_requests_running") == 0.0
 
 
-async def test_killing_a_server_fails_no_request_that_had_not_started(real_pools: RealPools) -> None:
-    """Last in this module: it kills the plain server."""
+async def test_killing_a_server_fails_no_request_that_had_not_started_and_its_stream_goes_on(
+    real_pools: RealPools,
+) -> None:
+    """Last in this module: it kills the plain server, in the middle of a stream it is sending."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a haiku."}], "max_tokens": 24}
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "Count slowly."}], "max_tokens": 400,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     async with gateway(real_pools, "round-robin") as (url, _), aiohttp.ClientSession() as session:
 
         async def one(delay: float) -> int:
@@ -251,8 +257,23 @@ async def test_killing_a_server_fails_no_request_that_had_not_started(real_pools
                 await r.read()
                 return r.status
 
+        assert await one(0) == 200  # round robin: the next request goes to the plain server
+        stream = await session.post(f"{url}/v1/chat/completions", json=long)
+        assert stream.headers["x-route-replica"] == "plain-0"
+        before = await stream.content.readuntil(b"\n\n")
         requests = [asyncio.create_task(one(0.15 * i)) for i in range(16)]
         await asyncio.sleep(0.8)  # some requests are on the plain server, not yet answered
         os.kill(real_pools.plain.proc.pid, signal.SIGKILL)
         statuses = await asyncio.gather(*requests)
+        text = before + await stream.content.read()
+        async with session.get(f"{url}/metrics") as r:
+            resumed = sample_value(await r.text(), "specgate_stream_failovers_total", outcome="resumed")
+    assert resumed == 1.0
     assert statuses == [200] * len(statuses)
+    events = [e.removeprefix(b"data: ") for e in text.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c]
+    assert len({c["id"] for c in chunks}) == 1  # one response, though two servers wrote it
+    assert chunks[-1]["usage"]["completion_tokens"] == 400  # every token once, by the servers' tokenizer
+    assert sum(1 for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]) == 1

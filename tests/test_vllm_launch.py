@@ -128,3 +128,4 @@ def test_pools_commands_refuse_bad_configs(tmp_path: Path) -> None:
 def test_the_deploy_configs_parse(name: str, spec: int, plain: int) -> None:
     settings = load_settings(Path(__file__).resolve().parents[1] / "deploy" / name)
     assert (len(settings.pools[Pool.SPECULATIVE]), len(settings.pools[Pool.PLAIN])) == (spec, plain)
+    assert settings.auth.enabled  # a deployment serves known clients only

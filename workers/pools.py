@@ -57,6 +57,8 @@ def _ewma(old: float | None, new: float, weight: float) -> float:
 
 # A single observation moves a correction at most this far (a factor of 2), so one outlier
 # (a request stuck behind a preemption) cannot wreck the model.
+MAX_BUSY_S = 30.0
+"""The longest a replica's 429 (and its Retry-After) keeps requests away from it."""
 _MAX_STEP = math.log(2.0)
 _CORRECTION_RANGE = (0.2, 5.0)
 
@@ -105,6 +107,11 @@ class Replica:
         self._last_spec: SpecCounters | None = None
         self._progress: tuple[float, float] = (-1.0, 0.0)
         """The token counters' last sum, and when it last moved."""
+        self.busy_until = 0.0
+        """Until when it takes no request, after a 429."""
+        self.received_at = 0.0
+        """When a byte of an answer last arrived from it (a replica still sending is not hung,
+        whatever its counters say: what it sends may have been generated a while ago)."""
 
     # --- the gateway's own accounting ---------------------------------------------------------
 
@@ -156,8 +163,15 @@ class Replica:
         """Admitted (up, or being probed after an ejection)."""
         return self.health.admitted
 
-    def available(self) -> bool:
+    def available(self, now: float | None = None) -> bool:
+        """Takes a request now: admitted (a probed replica only one at a time), and not busy."""
+        if self.busy_until and (time.monotonic() if now is None else now) < self.busy_until:
+            return False
         return self.health.available(self.in_flight)
+
+    def busy(self, seconds: float, now: float | None = None) -> None:
+        """It answered 429: not broken, but it takes nothing more for a while."""
+        self.busy_until = (time.monotonic() if now is None else now) + min(max(seconds, 0.0), MAX_BUSY_S)
 
     def succeeded(self, now: float | None = None) -> None:
         self.health.request_succeeded(time.monotonic() if now is None else now)
@@ -194,10 +208,11 @@ class Replica:
             self._last_spec = load.spec
 
     def _check_progress(self, load: VllmLoad, now: float) -> None:
-        """Eject a replica that holds requests but whose token counters stand still: hung."""
+        """Eject a replica that holds requests but whose token counters stand still, and that sends
+        nothing meanwhile: hung."""
         counters = (load.prompt_tokens or 0.0) + (load.generation_tokens or 0.0)
         last, since = self._progress
-        if counters != last or not self.in_flight:
+        if counters != last or not self.in_flight or now - self.received_at < self.settings.hang_after_s:
             self._progress = (counters, now)
         elif now - since >= self.settings.hang_after_s and self.health.eject(now, "no progress"):
             self._progress = (counters, now)
@@ -218,7 +233,7 @@ class Replica:
             name=self.name,
             url=self.url,
             pool=self.pool,
-            healthy=self.available(),
+            healthy=self.available(now),
             in_flight=self.in_flight,
             prefilling=self.prefilling,
             prefill_tokens=self.prefill_tokens,
