@@ -122,6 +122,7 @@ def make_runner(app: web.Application, settings: GatewaySettings) -> GuardedRunne
         access_log=None,
         shutdown_timeout=settings.shutdown_grace_s,
         keepalive_timeout=limits.idle_timeout_s,
+        lingering_time=1.0,  # the unread rest of a body answered early (404, 413) is awaited this long
         max_line_size=limits.max_line_bytes,
         max_field_size=limits.max_header_bytes,
         max_headers=limits.max_headers,

@@ -179,9 +179,15 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        body = {"error": {"message": exc.reason, "type": kind, "param": None, "code": None}}
-        return web.Response(status=exc.status, body=orjson.dumps(body), content_type="application/json")
+        return http_error_response(exc)
     except Exception:
         _log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(GatewayError("internal gateway error"))
+
+
+def http_error_response(exc: web.HTTPException) -> web.Response:
+    """aiohttp's own error (404, 405, 417, ...) in the OpenAI shape."""
+    kind = "invalid_request_error" if exc.status < 500 else "server_error"
+    default = not exc.text or exc.text.startswith(f"{exc.status}:")  # aiohttp's "404: Not Found"
+    body = {"error": {"message": exc.reason if default else exc.text, "type": kind, "param": None, "code": None}}
+    return web.Response(status=exc.status, body=orjson.dumps(body), content_type="application/json")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
+
+from specgate.gateway.errors import http_error_response
 
 _log = logging.getLogger(__name__)
 
@@ -111,9 +114,23 @@ class GuardedHandler(RequestHandler):
             self._head_timer.cancel()  # a whole request head arrived
             self._head_timer = None
 
-    async def _handle_request(self, request: BaseRequest, *args: Any) -> tuple[web.StreamResponse, bool]:
+    async def _handle_request(
+        self,
+        request: BaseRequest,
+        start_time: float | None,
+        request_handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]],
+    ) -> tuple[web.StreamResponse, bool]:
+        async def guarded(request: BaseRequest) -> web.StreamResponse:
+            # What aiohttp raises before the application's middleware runs (an unknown Expect: 417).
+            try:
+                return await request_handler(request)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                return http_error_response(exc)
+
         try:
-            return await super()._handle_request(request, *args)
+            return await super()._handle_request(request, start_time, guarded)
         finally:
             # The next request's head is due within the idle allowance plus the head deadline.
             if not self._force_close:
