@@ -7,7 +7,10 @@ body field `specgate_sim_output_tokens`, which the simulated replica obeys and t
 reads. With replicas running `--time-scale T`, pass the same T: the trace is sent T times faster,
 the SLO headers are divided by T (the gateway measures the replicas in real time), and the
 latencies measured are scaled back, so results come out in the profile's units, in the same
-shape as the offline simulator's.
+shape as the offline simulator's. The gateway's latency model, predicting in the profile's units,
+has to learn T through its per-replica corrections, and decides worse meanwhile (at T = 1.5 the
+adaptive policy held and refused about three times as many requests as at T = 1 on the same
+slice): compare with the offline simulator at T = 1.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def test_a_request_no_replica_could_serve_even_idle_is_refused_at_once() -> None
     verdict = Adaptive(MODEL).decide(hopeless, IDLE)
     assert isinstance(verdict, Shed)
     assert (verdict.reason, verdict.retry_after_s) == ("slo-infeasible", None)
-    assert "x-slo-ttft-ms 300.0" in verdict.detail
+    assert "x-slo-ttft-ms 300 and x-slo-tpot-ms 50" in verdict.detail
     # told not to refuse, the gateway keeps it until its wait (3 x 300 ms) runs out
     kept = Adaptive(MODEL, admission=Admission(refuse_infeasible=False)).decide(hopeless, IDLE)
     assert kept == Hold("best-effort")

@@ -16,7 +16,9 @@ from specgate.workers import launch
 pytestmark = pytest.mark.slow
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
-TIME_SCALE = 1.5
+TIME_SCALE = 1.0
+"""Real time: replicas run faster than their profile would make the gateway's latency model learn
+the compression first (at 1.5, the adaptive policy met 11 points fewer SLOs online than offline)."""
 
 
 def trace_slice() -> list[TraceRequest]:
@@ -59,8 +61,8 @@ async def test_replay_through_the_gateway_agrees_with_the_offline_simulator(
     assert failed == 0
     assert online["requests"] == offline["requests"] == len(trace)
     # 250 requests near their SLOs: the sampling error alone is about 3 points, and the real
-    # system adds HTTP and relay delays the simulator does not model (measured: 0.74-0.78 online
-    # against 0.74 offline for adaptive, 0.76 against 0.77 for least-loaded). Three standard errors:
+    # system adds HTTP and relay delays the simulator does not model (measured: 0.888 online
+    # against 0.896 offline for adaptive, 0.74 against 0.768 for least-loaded). Three standard errors:
     assert online["slo_attainment"] == pytest.approx(offline["slo_attainment"], abs=0.08), both
     assert online["spec_share"] == pytest.approx(offline["spec_share"], abs=0.12), both
     assert online["tpot_p50_ms"] == pytest.approx(offline["tpot_p50_ms"], rel=0.12), both
