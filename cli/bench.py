@@ -1,7 +1,7 @@
 """`specgate bench ...`: every benchmark, one subcommand each.
 
 `offline` and `replay` compare policies on a trace (in the offline simulator, or through a running
-gateway); `fidelity`, `overhead`, `policy-reload` and `real-vllm` are the benchmarks of
+gateway); `fidelity`, `overhead`, `policy-reload`, `real-vllm` and `soak` are the benchmarks of
 `specgate.bench` with their own options (`specgate bench overhead --help`).
 """
 
@@ -22,6 +22,7 @@ MODULE_BENCHMARKS = {
     "overhead": ("specgate.bench.overhead", "what the gateway adds over a direct path (docs/overhead.md)"),
     "policy-reload": ("specgate.bench.policy_reload", "policy changes reaching two gateways (docs/policy_reload.md)"),
     "real-vllm": ("specgate.bench.real_vllm", "the policies against real vLLM on this CPU (docs/real_vllm.md)"),
+    "soak": ("specgate.bench.soak", "an hour of mixed traffic compressed: memory, fds, in flight (docs/soak.md)"),
 }
 
 

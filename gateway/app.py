@@ -46,6 +46,13 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         auto_decompress=False,  # relay the bytes as the replica sent them
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
+    # Scrapes and health checks on connections of their own: sharing the request pool, whose idle
+    # connections are taken first in first out, they would use each in turn every few seconds and
+    # keep all of them open at the peak's count for ever.
+    probes = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit_per_host=4, ttl_dns_cache=300, enable_cleanup_closed=True),
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),
+    )
     metrics = GatewayMetrics(fleet, with_store=settings.store.url is not None)
     store = PolicyStore.connect(settings.store.url, settings.store.prefix) if settings.store.url else None
     control = PolicyControl(metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s)
@@ -54,9 +61,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     relay = Relay(settings, fleet, session, metrics, control, admission, clients)
     app[SESSION], app[FLEET], app[METRICS], app[RELAY], app[POLICY] = session, fleet, metrics, relay, control
     # One round of scrapes before serving, so a gateway in front of live replicas is ready at once.
-    await asyncio.gather(*(fleet.scrape_once(session, r) for r in fleet.replicas.values()))
+    await asyncio.gather(*(fleet.scrape_once(probes, r) for r in fleet.replicas.values()))
     tasks = [
-        asyncio.create_task(fleet.scrape_forever(session, r), name=f"scrape-{r.name}") for r in fleet.replicas.values()
+        asyncio.create_task(fleet.scrape_forever(probes, r), name=f"scrape-{r.name}") for r in fleet.replicas.values()
     ]
     tasks.append(asyncio.create_task(admission.run(), name="admission"))
     if store is not None:
@@ -77,6 +84,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         if store is not None:
             await store.close()
         await session.close()
+        await probes.close()
 
 
 async def follow_keys(clients: Clients, settings: GatewaySettings, store: PolicyStore) -> None:

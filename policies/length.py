@@ -19,6 +19,10 @@ BAND_EDGES = (256, 1024, 4096)
 PRIORS = (200, 200, 150, 60)
 """Cold-start expected output tokens per band."""
 SMOOTHING = 0.05
+MAX_GROUPS = 4096
+"""Groups learned at most. `x-request-class` is the client's to choose: a client sending a new class
+with every request must not grow the gateway's memory without end. Once this many are known, a
+new group is not learned (its requests get their band's prior)."""
 
 
 def band(prompt_tokens: int) -> int:
@@ -34,6 +38,8 @@ class LengthStats:
 
     def observe(self, model: str, prompt_tokens: int, output_tokens: int, request_class: str = "") -> None:
         key = (model, band(prompt_tokens), request_class)
+        if key not in self.counts and len(self.counts) >= MAX_GROUPS:
+            return
         n = self.counts.get(key, 0) + 1
         self.counts[key] = n
         old = self.means.get(key)

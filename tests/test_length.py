@@ -1,6 +1,6 @@
 import pytest
 
-from specgate.policies.length import PRIORS, LengthStats, band
+from specgate.policies.length import MAX_GROUPS, PRIORS, LengthStats, band
 
 
 @pytest.mark.parametrize(
@@ -40,3 +40,15 @@ def test_learned_lengths_follow_drift_and_stay_per_model_and_class() -> None:
     assert stats.expected("m", 100) == pytest.approx(500, rel=0.02)  # smoothed mean moved on
     assert stats.expected("other", 100) == PRIORS[0]
     assert stats.expected("m", 100, request_class="batch") == PRIORS[0]
+
+
+def test_a_client_inventing_classes_cannot_grow_the_learned_groups_without_end() -> None:
+    stats = LengthStats()
+    stats.observe("m", 100, 40, "chat")
+    for i in range(MAX_GROUPS + 500):
+        stats.observe("m", 100, 900, f"class-{i}")
+    assert len(stats.means) == len(stats.counts) == MAX_GROUPS
+    # The groups known before still learn; a new one gets its band's prior.
+    stats.observe("m", 100, 60, "chat")
+    assert stats.expected("m", 100, request_class="chat") == 50
+    assert stats.expected("m", 100, request_class="class-new") == PRIORS[band(100)]

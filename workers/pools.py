@@ -55,10 +55,10 @@ def _ewma(old: float | None, new: float, weight: float) -> float:
     return new if old is None else old + weight * (new - old)
 
 
-# A single observation moves a correction at most this far (a factor of 2), so one outlier
-# (a request stuck behind a preemption) cannot wreck the model.
 MAX_BUSY_S = 30.0
 """The longest a replica's 429 (and its Retry-After) keeps requests away from it."""
+# A single observation moves a correction at most this far (a factor of 2), so one outlier
+# (a request stuck behind a preemption) cannot wreck the model.
 _MAX_STEP = math.log(2.0)
 _CORRECTION_RANGE = (0.2, 5.0)
 
