@@ -23,7 +23,7 @@ from typing import Any
 
 from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
-from specgate.calibration.profiles import Profile
+from specgate.calibration.profiles import PROFILES, Profile
 from specgate.policies.admission import QUEUE_FULL, AdmissionQueue
 from specgate.policies.decision import Decision, Hold, Shed, Verdict
 from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, parse
@@ -161,7 +161,7 @@ def fits(profile: Profile, request: TraceRequest) -> bool:
     return request.prompt_tokens < profile.max_model_len
 
 
-def policy_document(spec: str, profile: str) -> PolicyDocument:
+def policy_document(spec: str, profile: str, profiles: Mapping[str, Profile] = PROFILES) -> PolicyDocument:
     """A policy document from its command-line form: `adaptive:shedding.enabled=true;harm_weight=0.25`
     is the adaptive policy with shedding on and its `harm_weight` parameter set. A setting named
     like a key of the document (`exploration`, `shedding.below_priority`) sets that key; any other is
@@ -176,7 +176,7 @@ def policy_document(spec: str, profile: str) -> PolicyDocument:
         for part in parents:
             node = node.setdefault(part, {})
         node[last] = value
-    return parse(doc)
+    return parse(doc, profiles=profiles)
 
 
 def _is_int(text: str) -> bool:
@@ -185,8 +185,9 @@ def _is_int(text: str) -> bool:
 
 def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     profile = scenario.profile
-    document = policy_document(scenario.policy, profile.name)
-    plan = document.compile("offline")
+    known = {**PROFILES, profile.name: profile}  # the scenario's profile may come from a file
+    document = policy_document(scenario.policy, profile.name, known)
+    plan = document.compile("offline", known)
     pools = {Pool.SPECULATIVE: [f"sim://spec-{i}" for i in range(scenario.fleet.spec)],
              Pool.PLAIN: [f"sim://plain-{i}" for i in range(scenario.fleet.plain)]}  # fmt: skip
     fleet = Fleet(pools, FleetSettings(scrape_interval_s=scenario.scrape_interval_s))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from specgate.bench.offline import Fleetspec, Scenario, attainable, simulate
 from specgate.bench.traces import TraceRequest, read_trace, scaled
-from specgate.calibration.profiles import get_profile
+from specgate.calibration.profiles import Profile
 
 ALL_PLAIN = "all-plain fleet"
 ALL_SPEC = "all-speculative fleet"
@@ -27,7 +27,7 @@ ALL_SPEC = "all-speculative fleet"
 @dataclass(frozen=True)
 class SweepSettings:
     trace: Path
-    profile: str
+    profile: Profile
     spec_replicas: int
     plain_replicas: int
     policies: tuple[str, ...]
@@ -51,7 +51,7 @@ def _run(job: tuple[SweepSettings, str, float, Sequence[TraceRequest]]) -> dict[
     else:
         fleet, policy = Fleetspec(settings.spec_replicas, settings.plain_replicas), label
     scenario = Scenario(
-        get_profile(settings.profile),
+        settings.profile,
         fleet,
         policy,
         slo_ttft_ms=settings.slo_ttft_ms,
@@ -73,14 +73,13 @@ def run_sweep(settings: SweepSettings) -> dict[str, object]:
             runs.append(run)
             _progress(done, len(jobs), f"{run['policy']} x{run['rate_scale']:g}")
     print(file=sys.stderr)
-    profile = get_profile(settings.profile)
-    scenario = Scenario(profile, Fleetspec(1, 1), "least-loaded", settings.slo_ttft_ms, settings.slo_tpot_ms)
+    scenario = Scenario(settings.profile, Fleetspec(1, 1), "least-loaded", settings.slo_ttft_ms, settings.slo_tpot_ms)
     bound = attainable(trace, scenario)
     return {
         "trace": str(settings.trace.name),
         "requests_per_run": len(trace),
         "trace_span_s": trace[-1].arrival_s,
-        "profile": settings.profile,
+        "profile": settings.profile.name,
         "fleet": Fleetspec(settings.spec_replicas, settings.plain_replicas).label,
         "slo_ttft_ms": settings.slo_ttft_ms,
         "slo_tpot_ms": settings.slo_tpot_ms,

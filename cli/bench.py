@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from specgate.calibration.profiles import DEFAULT_PROFILE, get_profile
+from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 from specgate.cli.arguments import Subcommands, common_options, float_list, positive_float, positive_int
 
 MODULE_BENCHMARKS = {
@@ -56,6 +56,7 @@ def _add_offline(commands: Subcommands) -> None:
         "--trace", type=Path, required=True, help="Azure LLM trace CSV, or timestamp_s,input_tokens,output_tokens"
     )
     p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--profile-file", type=Path, metavar="FILE", help="a profile from a file, instead of --profile")
     p.add_argument("--spec-replicas", type=int, default=4)
     p.add_argument("--plain-replicas", type=int, default=4)
     p.add_argument(
@@ -78,6 +79,7 @@ def _run_offline(args: argparse.Namespace) -> int:
     from specgate.bench.offline import policy_document
     from specgate.bench.sweep import SweepSettings, run_sweep, write_outputs
     from specgate.bench.traces import TraceError
+    from specgate.calibration import profile_file
     from specgate.validation import Invalid
 
     policies = tuple(p for p in args.policies.split(",") if p)
@@ -85,9 +87,16 @@ def _run_offline(args: argparse.Namespace) -> int:
         print("specgate bench: no policies given", file=sys.stderr)
         return 2
     try:
-        get_profile(args.profile)
+        profile = profile_file.load(args.profile_file).profile if args.profile_file else get_profile(args.profile)
+    except Invalid as exc:
+        print(f"specgate bench: --profile-file {exc}", file=sys.stderr)
+        return 2
+    except KeyError as exc:
+        print(f"specgate bench: {exc.args[0]}", file=sys.stderr)
+        return 2
+    try:
         for policy in policies:
-            policy_document(policy, args.profile)
+            policy_document(policy, profile.name, {**PROFILES, profile.name: profile})
     except Invalid as exc:
         print(f"specgate bench: --policies {policy}: {exc}", file=sys.stderr)
         return 2
@@ -99,7 +108,7 @@ def _run_offline(args: argparse.Namespace) -> int:
         return 2
     settings = SweepSettings(
         trace=args.trace,
-        profile=args.profile,
+        profile=profile,
         spec_replicas=args.spec_replicas,
         plain_replicas=args.plain_replicas,
         policies=policies,

@@ -32,6 +32,8 @@ def add_command(sub: Subcommands) -> None:
     p.add_argument("--port", type=int, help="listen port (default: the config's, or 8000; 0 picks one)")
     p.add_argument("--policy", help="routing policy, overriding the config's")
     p.add_argument("--profile", default=DEFAULT_PROFILE, help="embedded default: the replicas' profile")
+    p.add_argument("--profile-file", type=Path, action="append", default=[], metavar="FILE",
+                   help="a profile from a file, for policy documents to name (embedded: the replicas')")  # fmt: skip
     p.add_argument("--time-scale", type=positive_float, default=1.0, help="embedded default: replica clock speed")
     p.add_argument("--redis", metavar="URL", help="follow the policy document in this Redis (redis://...)")
     p.add_argument("--redis-prefix", help="key prefix in Redis (default: the config's, or specgate)")
@@ -41,6 +43,7 @@ def add_command(sub: Subcommands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specgate.calibration import profile_file
     from specgate.gateway.app import serve
     from specgate.gateway.clients import merged
     from specgate.gateway.config import (
@@ -57,8 +60,21 @@ def run(args: argparse.Namespace) -> int:
     from specgate.policies.registry import policy_kind
     from specgate.validation import Invalid
 
-    def adjust(settings: GatewaySettings) -> GatewaySettings:
+    def adjust(settings: GatewaySettings, *, embedded: bool = False) -> GatewaySettings:
         changes: dict[str, Any] = {}
+        if files:
+            profiles = dict(settings.profiles)
+            for f in files:
+                if f.profile.name in profiles:
+                    raise ConfigError(
+                        f"--profile-file {f.path}", f"a profile named {f.profile.name!r} is already known"
+                    )
+                profiles[f.profile.name] = f.profile
+            changes["profiles"] = profiles
+            if embedded:  # the replicas run the file's profile: so does the latency model
+                settings = dataclasses.replace(
+                    settings, policy=revised(settings.policy, profiles, profile=files[0].profile.name)
+                )
         if args.host is not None:
             changes["host"] = args.host
         if args.port is not None:
@@ -67,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
             changes["access_log"] = True
         if args.policy is not None:
             try:
-                changes["policy"] = revised(settings.policy, policy=args.policy, params={})
+                changes["policy"] = revised(settings.policy, changes.get("profiles", settings.profiles),
+                                            policy=args.policy, params={})  # fmt: skip
             except DocumentError as exc:
                 raise ConfigError(f"--policy {args.policy}: {exc.field}", exc.message) from None
         store = settings.store
@@ -99,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
         )
 
     try:
+        files = [profile_file.load(path) for path in args.profile_file]
+        profile_file.with_files(files)  # no two of one name, none named like a built-in one
+        if args.config is None and len(files) > 1:
+            raise ConfigError("--profile-file", "the embedded default runs one profile: give one file at most")
         get_profile(args.profile)
         if args.policy is not None:
             policy_kind(args.policy)
@@ -121,10 +142,11 @@ def run(args: argparse.Namespace) -> int:
             await serve(configured, on_ready=lambda url: ready(configured, url))
             return
         port = 8000 if args.port is None else args.port
+        replicas = files[0] if files else None
         async with embedded_pools(
-            host=args.host or "127.0.0.1", port=port, profile=args.profile, time_scale=args.time_scale
+            host=args.host or "127.0.0.1", port=port, profile=args.profile, time_scale=args.time_scale, file=replicas
         ) as embedded:
-            settings = adjust(embedded)
+            settings = adjust(embedded, embedded=True)
             await serve(settings, on_ready=lambda url: ready(settings, url))
 
     run_until_signalled(main)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES, SOURCES, get_profile
@@ -23,6 +24,8 @@ def add_command(sub: Subcommands) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
     p.add_argument("--model", help="served model name (default: the profile's model)")
     p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"one of: {', '.join(PROFILES)}")
+    p.add_argument("--profile-file", type=Path, action="append", default=[], metavar="FILE",
+                   help="a profile from a file; given once, the replica runs it")  # fmt: skip
     p.add_argument("--time-scale", type=positive_float, default=1.0, help="run the clock S times faster")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
@@ -35,11 +38,23 @@ def add_command(sub: Subcommands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specgate.calibration import profile_file
+    from specgate.validation import Invalid
+
+    try:
+        files = [profile_file.load(path) for path in args.profile_file]
+        profile_file.with_files(files)
+    except Invalid as exc:
+        print(f"specgate sim: --profile-file {exc}", file=sys.stderr)
+        return 2
     if args.list_profiles:
-        print("\n\n".join(p.describe() for p in PROFILES.values()))
+        print("\n\n".join([*(p.describe() for p in PROFILES.values()), *(f.describe() for f in files)]))
         print("\nsources:")
         print("\n".join(f"  {key}: {text}" for key, text in SOURCES.items()))
         return 0
+    if len(files) > 1:
+        print("specgate sim: one --profile-file at most: a replica has one profile", file=sys.stderr)
+        return 2
     import prometheus_client
 
     from specgate.sim.engine import EngineConfig, kv_blocks
@@ -50,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
     try:
-        profile = get_profile(args.profile)
+        profile = files[0].profile if files else get_profile(args.profile)
         settings = SimSettings(
             mode=Pool(args.mode),
             profile=profile,

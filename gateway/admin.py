@@ -81,7 +81,7 @@ async def put_policy(request: web.Request) -> web.Response:
     if len(raw) > MAX_DOCUMENT_BYTES:
         raise BadRequest(f"a policy document is at most {MAX_DOCUMENT_BYTES} bytes")
     try:
-        document = loads(raw)
+        document = loads(raw, control.profiles)
     except DocumentError as exc:
         raise BadRequest(f"invalid policy document: {exc}", param=exc.field) from None
     why = request.headers.get("x-change-reason", "")[:MAX_REASON_CHARS]

@@ -55,7 +55,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     )
     metrics = GatewayMetrics(fleet, with_store=settings.store.url is not None)
     store = PolicyStore.connect(settings.store.url, settings.store.prefix) if settings.store.url else None
-    control = PolicyControl(metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s)
+    control = PolicyControl(
+        metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s, settings.profiles
+    )
     admission = AdmissionControl(fleet, metrics)
     clients = Clients(settings.auth.keys) if settings.auth.enabled else None
     relay = Relay(settings, fleet, session, metrics, control, admission, clients)

@@ -26,7 +26,7 @@ admin API take. Example:
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -35,7 +35,9 @@ from urllib.parse import urlsplit
 import msgspec
 from msgspec import Meta
 
+from specgate.calibration import profile_file
 from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import PROFILES, Profile
 from specgate.gateway.clients import ClientKey, merged, parse_keys
 from specgate.gateway.server import Limits
 from specgate.policies.document import DocumentError, PolicyDocument
@@ -121,6 +123,8 @@ class GatewaySettings:
     """Bearer token of the admin API (/admin/policy); None turns the API off."""
     auth: AuthSettings = field(default_factory=AuthSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
+    profiles: Mapping[str, Profile] = field(default_factory=lambda: PROFILES)
+    """The profiles a policy document may name: the built-in ones and those loaded from files."""
 
 
 # --- the file, section by section ----------------------------------------------------------------
@@ -205,6 +209,11 @@ class _Auth(_Section, frozen=True):
     keys: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
 
+class _Profiles(_Section, frozen=True):
+    files: list[NonEmpty] = msgspec.field(default_factory=list)
+    """Profile files (`specgate calibrate` writes them), relative to the config file."""
+
+
 class _File(_Section, frozen=True):
     """The config file; [policy] and [launch] are checked by their own parsers."""
 
@@ -218,6 +227,7 @@ class _File(_Section, frozen=True):
     store: _Store = _Store()
     admin: _Admin | None = None
     auth: _Auth = _Auth()
+    profiles: _Profiles = _Profiles()
     policy: dict[str, Any] = msgspec.field(default_factory=dict)
     launch: dict[str, Any] | None = None
 
@@ -241,12 +251,26 @@ def admin_token(key: str, token: str) -> str:
     return token
 
 
-def policy_document(table: Mapping[str, Any]) -> PolicyDocument:
+def policy_document(table: Mapping[str, Any], profiles: Mapping[str, Profile] = PROFILES) -> PolicyDocument:
     """The config file's [policy] table: a policy document, `schema_version` optional."""
     try:
-        return parse_document(dict(table), prefix="policy")
+        return parse_document(dict(table), prefix="policy", profiles=profiles)
     except DocumentError as exc:
         raise ConfigError(exc.field, exc.message) from None
+
+
+def profiles_from(paths: Sequence[Path], keys: Sequence[str]) -> Mapping[str, Profile]:
+    """The built-in profiles and those of the files at `paths` (each named by its key in errors)."""
+    files = []
+    for path, key in zip(paths, keys, strict=True):
+        try:
+            files.append(profile_file.load(path))
+        except Invalid as exc:
+            raise ConfigError(key, str(exc)) from None
+    try:
+        return profile_file.with_files(files)
+    except Invalid as exc:
+        raise ConfigError(keys[-1] if keys else "profiles", str(exc)) from None
 
 
 def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettings:
@@ -269,6 +293,9 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
     if not any(pools.values()):
         raise ConfigError("pools", "configure at least one replica in pools.speculative or pools.plain")
     store, scrape, timeouts = file.store, file.scrape, file.timeouts
+    profiles = profiles_from(
+        [base / name for name in file.profiles.files], [f"profiles.files[{i}]" for i in range(len(file.profiles.files))]
+    )
     return GatewaySettings(
         models=tuple(served),
         pools=pools,
@@ -293,7 +320,8 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
             budget=file.retries.budget_percent / 100,
             backoff_s=file.retries.backoff_ms / 1e3,
         ),
-        policy=policy_document(file.policy),
+        policy=policy_document(file.policy, profiles),
+        profiles=profiles,
         store=StoreSettings(
             url=store_url("store.url", store.url) if store.url is not None else None,
             prefix=store.prefix,

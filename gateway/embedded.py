@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from specgate.calibration.modes import Pool
+from specgate.calibration.profile_file import ProfileFile
 from specgate.calibration.profiles import DEFAULT_PROFILE, get_profile
 from specgate.gateway.config import GatewaySettings
 from specgate.workers import launch
@@ -18,16 +19,18 @@ REPLICAS_PER_POOL = 2
 
 @contextlib.asynccontextmanager
 async def embedded_pools(
-    *, host: str, port: int, profile: str = DEFAULT_PROFILE, time_scale: float = 1.0
+    *, host: str, port: int, profile: str = DEFAULT_PROFILE, time_scale: float = 1.0, file: ProfileFile | None = None
 ) -> AsyncIterator[GatewaySettings]:
-    """Start two simulated replicas per pool; yield gateway settings that route to them."""
-    model = get_profile(profile).model
+    """Start two simulated replicas per pool (of the profile in `file` when given); yield gateway
+    settings that route to them."""
+    model = file.profile.model if file is not None else get_profile(profile).model
+    chosen = ("--profile-file", str(file.path)) if file is not None and file.path else ("--profile", profile)
     with tempfile.TemporaryDirectory(prefix="specgate-embedded-") as logs:
         procs = []
         try:
             for pool in Pool:
                 for i in range(REPLICAS_PER_POOL):
-                    args = ("--mode", pool.value, "--profile", profile, "--time-scale", f"{time_scale:g}")
+                    args = ("--mode", pool.value, *chosen, "--time-scale", f"{time_scale:g}")
                     log = Path(logs) / f"{pool.value}-{i}.log"
                     procs.append((pool, log, launch.spawn(launch.sim_argv(*args, "--seed", str(i)), log)))
             urls = await asyncio.gather(*(launch.wait_ready(proc, log) for _, log, proc in procs))

@@ -18,12 +18,14 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 import redis.exceptions
 
+from specgate.calibration.profiles import PROFILES, Profile
 from specgate.gateway.metrics import GatewayMetrics
 from specgate.gateway.store import PolicyStore, StoredPolicy, VersionConflict
 from specgate.policies.document import DocumentError, PolicyDocument
@@ -65,8 +67,11 @@ class PolicyControl:
         store: PolicyStore | None = None,
         cache: Path | None = None,
         refresh_s: float = 1.0,
+        profiles: Mapping[str, Profile] = PROFILES,
     ) -> None:
         self.metrics = metrics
+        self.profiles = profiles
+        """The profiles a document may name: the built-in ones and those loaded from files."""
         self.store = store
         self.cache = cache
         self.refresh_s = refresh_s
@@ -79,7 +84,7 @@ class PolicyControl:
     # --- applying ------------------------------------------------------------------------------
 
     def _install(self, applied: Applied) -> None:
-        self.plan = applied.document.compile(str(applied.version))
+        self.plan = applied.document.compile(str(applied.version), self.profiles)
         self.current = applied
         self._held = (applied.version, applied.document.dumps().decode())
         self.metrics.policy_version.set(applied.version)
@@ -101,7 +106,9 @@ class PolicyControl:
         if seen in (self._held, self._rejected):
             return
         try:
-            applied = Applied(stored.version, document or stored.parsed(), stored.who, stored.when, stored.why)
+            applied = Applied(
+                stored.version, document or stored.parsed(self.profiles), stored.who, stored.when, stored.why
+            )
         except DocumentError as exc:
             self._rejected = seen  # counted and logged once, not on every re-read
             self.metrics.policy_changes.labels("rejected").inc()
@@ -131,7 +138,7 @@ class PolicyControl:
             record = orjson.loads(self.cache.read_bytes())
             return Applied(
                 int(record["version"]),
-                parse_document(record["document"]),
+                parse_document(record["document"], profiles=self.profiles),
                 str(record.get("who", "")),
                 float(record.get("when", 0.0)),
                 str(record.get("why", "")),

@@ -18,6 +18,7 @@ and again by every gateway before it applies one.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -26,6 +27,7 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from specgate.calibration.profiles import PROFILES, Profile
 from specgate.policies.document import PolicyDocument, loads
 
 HISTORY_LIMIT = 100
@@ -63,8 +65,8 @@ class StoredPolicy:
     when: float
     why: str
 
-    def parsed(self) -> PolicyDocument:
-        return loads(self.document)
+    def parsed(self, profiles: Mapping[str, Profile] = PROFILES) -> PolicyDocument:
+        return loads(self.document, profiles)
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -39,7 +39,7 @@ import msgspec
 from msgspec import Meta
 
 from specgate.calibration.modes import Pool
-from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
+from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES, Profile
 from specgate.policies.admission import Admission
 from specgate.policies.decision import Shedding
 from specgate.policies.features import SloTargets
@@ -98,9 +98,10 @@ class PolicyDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Canonical JSON: the same document always gives the same bytes."""
         return msgspec.json.format(msgspec.json.encode(self, order="sorted"), indent=2)
 
-    def compile(self, version: str) -> RoutingPlan:
-        """The plan this document routes by; `parse` has checked everything this relies on."""
-        model = LatencyModel(PROFILES[self.profile])
+    def compile(self, version: str, profiles: Mapping[str, Profile] = PROFILES) -> RoutingPlan:
+        """The plan this document routes by; `parse`, given the same `profiles` (the built-in ones
+        and those loaded from files), has checked everything this relies on."""
+        model = LatencyModel(profiles[self.profile])
         knobs = Knobs(shedding=self.shedding, exploration=self.exploration, admission=self.admission)
         return RoutingPlan(
             build_policy(self.policy, self.params, model, knobs),
@@ -115,20 +116,20 @@ class PolicyDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         )
 
 
-def revised(document: PolicyDocument, **changes: Any) -> PolicyDocument:
+def revised(document: PolicyDocument, profiles: Mapping[str, Profile] = PROFILES, **changes: Any) -> PolicyDocument:
     """A copy of `document` with some keys changed, validated like any other document."""
-    return parse(msgspec.to_builtins(msgspec.structs.replace(document, **changes)))
+    return parse(msgspec.to_builtins(msgspec.structs.replace(document, **changes)), profiles=profiles)
 
 
-def loads(raw: bytes | str) -> PolicyDocument:
+def loads(raw: bytes | str, profiles: Mapping[str, Profile] = PROFILES) -> PolicyDocument:
     try:
         obj = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise DocumentError("(document)", f"not valid JSON: {exc}") from None
-    return parse(obj)
+    return parse(obj, profiles=profiles)
 
 
-def parse(obj: Any, *, prefix: str = "") -> PolicyDocument:
+def parse(obj: Any, *, prefix: str = "", profiles: Mapping[str, Profile] = PROFILES) -> PolicyDocument:
     """Validate a decoded JSON document; `prefix` heads the fields errors name (a config file's
     [policy] table is a document too, with `schema_version` optional there)."""
     if isinstance(obj, dict) and "schema_version" not in obj and not prefix:
@@ -139,7 +140,7 @@ def parse(obj: Any, *, prefix: str = "") -> PolicyDocument:
     except Invalid as exc:
         raise DocumentError(exc.field, exc.message) from None
     try:
-        _check(document)
+        _check(document, profiles)
     except Invalid as exc:
         raise DocumentError(f"{prefix}.{exc.field}" if prefix else exc.field, exc.message) from None
     return document
@@ -157,12 +158,12 @@ def _check_classes(obj: Any, prefix: str) -> None:
             convert(targets, SloTargets, root=f"{where}.{name}", prefix=f"{where}.{name}")
 
 
-def _check(document: PolicyDocument) -> None:
+def _check(document: PolicyDocument, profiles: Mapping[str, Profile]) -> None:
     """What one field's type cannot say: how fields relate, and what the names refer to."""
     kind = policy_kind(document.policy)
     policy_params(document.policy, document.params)
-    if document.profile not in PROFILES:
-        raise Invalid("profile", f"unknown profile {document.profile!r}; known: {', '.join(PROFILES)}")
+    if document.profile not in profiles:
+        raise Invalid("profile", f"unknown profile {document.profile!r}; known: {', '.join(profiles)}")
     if len(document.slo.classes) > MAX_CLASSES:
         raise Invalid("slo.classes", f"at most {MAX_CLASSES} classes, got {len(document.slo.classes)}")
     if document.shedding.enabled and not kind.sheds:

@@ -22,7 +22,7 @@ PACKAGE = ROOT / "specgate"
 
 ALLOWED: dict[str, set[str]] = {
     "validation": set(),
-    "calibration": set(),
+    "calibration": {"validation"},
     "protocol": set(),
     "workers": {"calibration", "protocol", "validation"},
     "sim": {"calibration", "protocol", "validation"},
@@ -35,8 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": set(),
 }
 """Which rooms each room may import: command line -> bench -> gateway -> policies -> workers ->
-calibration, and bench -> sim -> calibration; the leaves (calibration, protocol, validation)
-import nothing of specgate."""
+calibration, and bench -> sim -> calibration; protocol and validation import nothing of specgate,
+calibration only the validation vocabulary (to read profile files)."""
 
 IMPURE = {"asyncio", "aiohttp", "redis", "socket", "subprocess", "os", "time", "random", "threading", "pathlib"}
 """What a module of the decision (policies/) must not import: I/O, clocks, randomness."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from specgate.calibration import profile_file
 from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import H100_LLAMA31_8B
 from specgate.gateway.app import make_app
 from specgate.gateway.config import GatewaySettings, StoreSettings
 from specgate.gateway.store import PolicyStore
@@ -134,6 +137,26 @@ async def test_admin_api_changes_the_policy_in_memory(fleet: dict[Pool, tuple[st
         assert (await put(session, url, document().dumps(), "*"))[0] == 200
         assert (await chat(session, url))[1] == "2"
         assert await metric(session, url, "specgate_policy_version") == 2.0
+
+
+async def test_a_document_may_name_a_profile_the_gateway_loaded_from_a_file(fleet: dict[Pool, tuple[str, ...]]) -> None:
+    mine = dataclasses.replace(H100_LLAMA31_8B, name="my-fleet", title="measured on this fleet")
+    profiles = profile_file.with_files([profile_file.ProfileFile(mine, "a test", datetime.date(2026, 12, 1))])
+    naming = b'{"schema_version": 1, "policy": "adaptive", "profile": "my-fleet"}'
+    async with gateway(settings(fleet)) as (url, session):  # a gateway without the file refuses it
+        status, error = await put(session, url, naming, "*")
+        assert (status, error["error"]["param"]) == (400, "profile")
+    async with gateway(settings(fleet, profiles=profiles)) as (url, session):
+        status, applied = await put(session, url, naming, "*")
+        assert (status, applied["document"]["profile"]) == (200, "my-fleet")
+        async with session.post(
+            f"{url}/v1/chat/completions",
+            data=BODY,
+            headers={"content-type": "application/json", "x-slo-ttft-ms": "9000"},
+        ) as r:
+            assert r.status == 200
+            # Predicted by the file's profile: the 8B model on an H100, not the default 34B one.
+            assert float(r.headers["x-predicted-tpot-ms"]) < 15
 
 
 # --- following Redis -------------------------------------------------------------------------------
