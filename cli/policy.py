@@ -26,10 +26,12 @@ from pathlib import Path
 
 import orjson
 
+from specgate.calibration import profile_file
 from specgate.cli.arguments import Subcommands, common_options
 from specgate.gateway.policy_sync import STORE_ERRORS
 from specgate.gateway.store import PolicyStore, VersionConflict
 from specgate.policies.document import DocumentError, PolicyDocument, loads
+from specgate.validation import Invalid
 
 
 def add_command(sub: Subcommands) -> None:
@@ -45,10 +47,14 @@ def add_command(sub: Subcommands) -> None:
         p.set_defaults(func=_run)
         return p
 
-    command("validate", "check a document without touching Redis", store=False).add_argument("file", type=Path)
+    profile_help = "a profile from a file that the document may name (the gateways load it too)"
+    p = command("validate", "check a document without touching Redis", store=False)
+    p.add_argument("file", type=Path)
+    p.add_argument("--profile-file", type=Path, action="append", default=[], metavar="FILE", help=profile_help)
     command("get", "print the current document")
     p = command("set", "make a document current")
     p.add_argument("file", type=Path)
+    p.add_argument("--profile-file", type=Path, action="append", default=[], metavar="FILE", help=profile_help)
     p.add_argument("--why", default="", help="why: kept in the history")
     p.add_argument("--expect-version", type=int, help="write only if this is still the current version")
     command("history", "list the recorded changes, newest first").add_argument("--limit", type=int, default=20)
@@ -66,12 +72,18 @@ def _who() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def _read(path: Path) -> PolicyDocument:
+def _read(args: argparse.Namespace) -> PolicyDocument:
+    """The document of `args.file`, naming a built-in profile or one of `args.profile_file`."""
     try:
-        raw = path.read_bytes()
+        files = [profile_file.load(path) for path in args.profile_file]
+        profiles = profile_file.with_files(files)
+    except Invalid as exc:
+        raise DocumentError("--profile-file", str(exc)) from None
+    try:
+        raw = args.file.read_bytes()
     except OSError as exc:
-        raise DocumentError("(file)", f"cannot read {path}: {exc.strerror}") from None
-    return loads(raw)
+        raise DocumentError("(file)", f"cannot read {args.file}: {exc.strerror}") from None
+    return loads(raw, profiles)
 
 
 def _pretty(document: str) -> list[str]:
@@ -92,7 +104,7 @@ async def _get(store: PolicyStore, args: argparse.Namespace) -> int:
 
 
 async def _set(store: PolicyStore, args: argparse.Namespace) -> int:
-    document = _read(args.file)
+    document = _read(args)
     expected = args.expect_version
     if expected is None:
         current = await store.current()
@@ -137,7 +149,7 @@ _COMMANDS: dict[str, Callable[[PolicyStore, argparse.Namespace], Awaitable[int]]
 def _run(args: argparse.Namespace) -> int:
     try:
         if args.policy_command == "validate":
-            document = _read(args.file)
+            document = _read(args)
             print(f"specgate policy: valid ({document.policy}, profile {document.profile})")
             return 0
         return asyncio.run(_with_store(args))

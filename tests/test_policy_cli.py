@@ -1,10 +1,14 @@
 """`specgate policy` against a real redis-server: validate, set, get, history, diff, rollback and exit codes."""
 
+import dataclasses
+import datetime
 import json
 from pathlib import Path
 
 import pytest
 
+from specgate.calibration import profile_file
+from specgate.calibration.profiles import H100_LLAMA31_8B
 from specgate.cli import main
 from specgate.testing import RedisServer
 
@@ -29,6 +33,21 @@ def test_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2
     assert "exploration" in err
     assert run(capsys, "policy", "validate", str(tmp_path / "missing.json"))[0] == 2
+
+
+def test_validate_a_document_naming_a_profile_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mine = dataclasses.replace(H100_LLAMA31_8B, name="my-fleet")
+    profile = tmp_path / "my-fleet.json"
+    profile.write_bytes(profile_file.dumps(mine, "a test", datetime.date(2026, 12, 1)))
+    doc = write(tmp_path, "doc.json", {"schema_version": 1, "profile": "my-fleet"})
+    code, _, err = run(capsys, "policy", "validate", doc)
+    assert code == 2
+    assert "unknown profile 'my-fleet'" in err
+    code, out, _ = run(capsys, "policy", "validate", doc, "--profile-file", str(profile))
+    assert (code, out.strip()) == (0, "specgate policy: valid (adaptive, profile my-fleet)")
+    code, _, err = run(capsys, "policy", "validate", doc, "--profile-file", str(tmp_path / "missing.json"))
+    assert code == 2
+    assert "--profile-file" in err
 
 
 def test_set_get_history_diff_rollback(
