@@ -27,11 +27,10 @@ from msgspec import Meta
 
 from specgate.calibration.costs import Curve, Linear, LinearStepModel, StepTable, TableStepModel
 from specgate.calibration.profiles import PROFILES, Profile, SpecProfile
-from specgate.validation import Invalid, NonEmpty, PositiveInt, convert
+from specgate.validation import Invalid, NonEmpty, PositiveInt, ProfileName, convert
 
 FORMAT: Literal[1] = 1
 MAX_FILE_BYTES = 1 << 20
-ProfileName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._\-]{1,64}$")]
 
 
 class _Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="table", tag_field="kind"):

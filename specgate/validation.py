@@ -32,6 +32,8 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonEmpty = Annotated[str, Meta(min_length=1)]
 ClassName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._\-]{1,64}$")]
 """An `x-request-class` value, and the name of an SLO class in the policy document."""
+ProfileName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._\-]{1,64}$")]
+"""A profile's name, as a policy document names it."""
 RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")]
 Weight = Annotated[float, Meta(gt=0, le=100)]
 

@@ -1,0 +1,120 @@
+"""`specgate calibrate`: the fit recovers the step costs that made the measurements, and a
+calibration of simulated servers whose parameters differ from every built-in profile predicts
+what those servers do."""
+
+import datetime
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from specgate.bench.calibrate import QUICK, Timing, calibrate, steady_step_s
+from specgate.calibration import profile_file
+from specgate.calibration.costs import Batch, DraftCost, LinearStepModel
+from specgate.calibration.fit import Step, acceptance_from_tokens_per_step, fit_draft, fit_target, least_squares
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import H100_LLAMA31_8B, PROFILES
+from specgate.cli import main
+from specgate.policies.latency_model import LatencyModel
+from specgate.testing import start_sim, stop_process
+
+TRUE_STEPS = LinearStepModel(base_ms=9.0, per_token_us=35.0, per_kv_token_ns=60.0, step_overhead_ms=0.0)
+TRUE_DRAFT = DraftCost(step_fixed_ms=2.0, pass_per_seq_us=40.0, prefill_fixed_ms=1.0, prefill_per_token_us=5.0)
+ODD = replace(
+    H100_LLAMA31_8B,
+    name="odd",
+    title="no built-in profile's step costs, k or acceptance",
+    steps=TRUE_STEPS,
+    spec=replace(H100_LLAMA31_8B.spec, num_speculative_tokens=4, acceptance_mean=0.8, draft=TRUE_DRAFT),
+    max_model_len=8192,
+)
+
+
+def _step(kind: str, seqs: int, query: int, context: float, prefill: int, model: LinearStepModel) -> Step:
+    return Step(
+        kind, seqs, query, context, prefill, model.forward_ms(Batch(seqs, query, context, prefill, 1 if prefill else 0))
+    )
+
+
+def test_least_squares_keeps_costs_non_negative() -> None:
+    rows = [(1.0, x) for x in (1.0, 2.0, 3.0, 4.0)]
+    assert least_squares(rows, [3.0, 5.0, 7.0, 9.0], [1.0] * 4).coefficients == pytest.approx((1.0, 2.0))
+    # A falling line would need a negative slope: the slope is dropped, the mean kept.
+    fit = least_squares(rows, [9.0, 7.0, 5.0, 3.0], [1.0] * 4)
+    assert fit.coefficients == pytest.approx((6.0, 0.0))
+
+
+def test_the_fit_recovers_the_costs_that_made_the_steps() -> None:
+    steps = [_step("prefill", 0, 1, 0, p, TRUE_STEPS) for p in (32, 512, 2048)]
+    steps += [_step("decode", b, 1, c, 0, TRUE_STEPS) for b in (1, 4, 8, 16) for c in (50, 1000, 3000)]
+    target = fit_target(steps)
+    assert target.model.base_ms == pytest.approx(9.0, rel=1e-6)
+    assert target.model.per_token_us == pytest.approx(35.0, rel=1e-6)
+    assert target.model.per_kv_token_ns == pytest.approx(60.0, rel=1e-6)
+    assert max(target.errors.values()) < 1e-9
+
+    k = 4
+    spec = []
+    for b, c in ((1, 50), (4, 1000), (8, 3000), (16, 500)):
+        ms = TRUE_STEPS.forward_ms(Batch(b, k + 1, c)) + TRUE_DRAFT.step_ms(k, b, b * c)
+        spec.append(Step("decode", b, k + 1, c, 0, ms))
+    for p in (32, 512, 2048):
+        ms = TRUE_STEPS.forward_ms(Batch(0, 1, 0, p, 1)) + TRUE_DRAFT.step_ms(k, 1, 0) + TRUE_DRAFT.prefill_ms(p)
+        spec.append(Step("prefill", 0, 1, 0, p, ms))
+    draft = fit_draft(spec, target.model, k)
+    assert draft.cost.step_fixed_ms == pytest.approx(2.0, rel=1e-6)
+    assert draft.cost.pass_per_seq_us == pytest.approx(40.0, rel=1e-6)
+    assert draft.cost.prefill_fixed_ms == pytest.approx(1.0, rel=1e-6)
+    assert draft.cost.prefill_per_token_us == pytest.approx(5.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.8, 0.95])
+def test_acceptance_inverts_the_tokens_per_step(alpha: float) -> None:
+    k = 4
+    tokens_per_step = ODD.spec.expected_tokens_per_step(alpha)
+    assert acceptance_from_tokens_per_step(tokens_per_step, k) == pytest.approx(alpha, abs=1e-6)
+
+
+def test_the_steady_step_is_timed_while_every_request_decodes() -> None:
+    # Two requests: the second starts late (its prompt was being prefilled), steps of 10 ms after.
+    early = Timing(0.01, (0.01, 0.05, 0.10, 0.11, 0.12, 0.13, 0.14))
+    late = Timing(0.10, (0.10, 0.11, 0.12, 0.13, 0.14, 0.15))
+    assert steady_step_s([early, late]) == pytest.approx(0.01)
+
+
+@pytest.mark.slow
+async def test_calibrating_simulated_servers_predicts_what_they_do(tmp_path: Path) -> None:
+    truth = tmp_path / "odd.json"
+    truth.write_bytes(profile_file.dumps(ODD, "a test", datetime.date(2026, 12, 1)))
+    servers = [start_sim(tmp_path / f"{mode}.log", "--port", "0", "--profile-file", str(truth), "--mode", mode,
+                         "--model", "m") for mode in ("plain", "speculative")]  # fmt: skip
+    try:
+        result = await calibrate([s.url for s in servers], QUICK, PROFILES["h100-llama31-8b"], "mine")
+    finally:
+        for s in servers:
+            stop_process(s.proc)
+    profile = result.file.profile
+    assert profile.spec.num_speculative_tokens == 4
+    assert profile.spec.acceptance_mean == pytest.approx(0.8, abs=0.05)
+    assert profile.max_model_len == 8192
+    assert profile.model == "m"
+    measured, fitted = LatencyModel(ODD), LatencyModel(profile)
+    for pool in Pool:
+        for batch in (1, 4, 8):
+            for context in (100, 1000):
+                want, got = measured.step_ms(pool, batch, context), fitted.step_ms(pool, batch, context)
+                assert got == pytest.approx(want, rel=0.1), (pool, batch, context)
+        for prompt in (256, 2048):
+            want, got = measured.step_ms(pool, 0, 0, prompt), fitted.step_ms(pool, 0, 0, prompt)
+            assert got == pytest.approx(want, rel=0.1), (pool, prompt)
+    assert "fit error" in result.report()
+
+
+def test_the_command_refuses_what_it_cannot_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--url", "http://127.0.0.1:9", "--out", str(out), "--name", "whitepaper"]) == 2
+    assert "built-in" in capsys.readouterr().err
+    assert main(["calibrate", "--url", "http://127.0.0.1:9", "--out", str(out), "--base-profile", "nope"]) == 2
+    assert main(["calibrate", "--url", "http://127.0.0.1:9", "--out", str(out), "--quick"]) == 1
+    assert "is not a vLLM server that answers" in capsys.readouterr().err
+    assert not out.exists()
