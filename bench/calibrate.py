@@ -64,7 +64,7 @@ class Sweep:
     repeats: int
 
 
-QUICK = Sweep(prompts=(32, 512, 2048), batches=(1, 4, 8), contexts=(32, 1024), output_tokens=24, repeats=1)
+QUICK = Sweep(prompts=(32, 256, 1024), batches=(1, 4, 8), contexts=(32, 512), output_tokens=24, repeats=1)
 FULL = Sweep(prompts=(32, 256, 1024, 2048, 4096), batches=(1, 2, 4, 8, 16), contexts=(32, 1024, 3072),
              output_tokens=64, repeats=2)  # fmt: skip
 
@@ -176,9 +176,9 @@ async def measure(
     for length in sweep.prompts:
         if length > room:
             continue
-        for _ in range(sweep.repeats):
-            timing = await one(session, server, prompt(length), 1)
-            steps.append(Step("prefill", 0, 1, 0.0, length, timing.ttft_s * 1e3 * time_scale))
+        # A single request's TTFT carries the HTTP round trip's jitter too: the median of three.
+        ttfts = [(await one(session, server, prompt(length), 1)).ttft_s for _ in range(max(sweep.repeats, 1) * 3)]
+        steps.append(Step("prefill", 0, 1, 0.0, length, statistics.median(ttfts) * 1e3 * time_scale))
         progress(f"{server.url} prefill {length}")
     total: SpecCounters | None = None
     for context in sweep.contexts:
@@ -206,7 +206,13 @@ async def measure(
 
 
 def _sum(a: SpecCounters, b: SpecCounters) -> SpecCounters:
-    return SpecCounters(a.drafts + b.drafts, a.draft_tokens + b.draft_tokens, a.accepted_tokens + b.accepted_tokens)
+    positions = max(len(a.accepted_per_pos), len(b.accepted_per_pos))
+    per_pos = [0.0] * positions
+    for counts in (a.accepted_per_pos, b.accepted_per_pos):
+        for i, n in enumerate(counts):
+            per_pos[i] += n
+    return SpecCounters(a.drafts + b.drafts, a.draft_tokens + b.draft_tokens, a.accepted_tokens + b.accepted_tokens,
+                        tuple(per_pos))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -250,7 +256,9 @@ def assemble(
         notes.append(f"target step costs from {base.name}: no plain server was measured")
     spec_profile, draft, alpha, k = base.spec, None, None, None
     if spec and counters is not None and counters.drafts > 0:
-        k = max(round(counters.draft_tokens / counters.drafts), 1)
+        # vLLM counts acceptances per draft position, k of them; an n-gram proposer may propose
+        # fewer than k tokens when its match nears the end of the context.
+        k = len(counters.accepted_per_pos) or max(round(counters.draft_tokens / counters.drafts), 1)
         alpha = acceptance_from_tokens_per_step(1.0 + counters.accepted_tokens / counters.drafts, k)
         if target is not None:
             draft = fit_draft(spec, target.model, k)

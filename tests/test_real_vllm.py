@@ -19,7 +19,9 @@ import openai
 import pytest
 from aiohttp import web
 
+from specgate.bench.calibrate import QUICK, calibrate
 from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import PROFILES
 from specgate.gateway.app import make_app
 from specgate.gateway.config import GatewaySettings
 from specgate.gateway.state import FLEET
@@ -225,6 +227,22 @@ async def test_the_scraper_reads_real_metrics_and_acceptance(real_pools: RealPoo
             assert replica.load is not None
             assert replica.load.running == 0.0
             assert replica.load.kv_usage is not None
+
+
+async def test_calibrating_the_real_servers(real_pools: RealPools) -> None:
+    result = await calibrate(
+        [real_pools.plain.spec.url, real_pools.spec.spec.url], QUICK, PROFILES["h100-llama31-8b"], "cpu-smollm2"
+    )
+    profile = result.file.profile
+    assert (profile.model, profile.max_model_len) == (MODEL, 2048)
+    assert profile.spec.num_speculative_tokens == 5  # deploy/cpu.toml's n-gram k, read from vLLM's counters
+    assert 0.0 < profile.spec.acceptance_mean < 1.0
+    assert profile.kv_capacity_tokens > 0
+    # The fitted step model describes the plain server's decode steps; its prefill on this CPU is
+    # not linear in the prompt (attention dominates), which the printed fit error shows.
+    assert result.target is not None
+    assert result.target.errors["decode"] < 0.15
+    assert "fit error over prefill steps" in result.report()
 
 
 async def test_a_client_that_disconnects_frees_the_real_server(real_pools: RealPools) -> None:
