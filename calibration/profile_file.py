@@ -146,6 +146,12 @@ def load(path: Path) -> ProfileFile:
         raise Invalid(f"{path}: {exc.field}", exc.message) from None
 
 
+def load_all(paths: Sequence[Path]) -> tuple[list[ProfileFile], Mapping[str, Profile]]:
+    """The files at `paths`, and every profile known with them (`with_files`)."""
+    files = [load(path) for path in paths]
+    return files, with_files(files)
+
+
 def with_files(files: Sequence[ProfileFile]) -> Mapping[str, Profile]:
     """The built-in profiles and those of `files`, by name; a name given twice is an error."""
     known = dict(PROFILES)

@@ -75,8 +75,7 @@ def _who() -> str:
 def _read(args: argparse.Namespace) -> PolicyDocument:
     """The document of `args.file`, naming a built-in profile or one of `args.profile_file`."""
     try:
-        files = [profile_file.load(path) for path in args.profile_file]
-        profiles = profile_file.with_files(files)
+        _, profiles = profile_file.load_all(args.profile_file)
     except Invalid as exc:
         raise DocumentError("--profile-file", str(exc)) from None
     try:

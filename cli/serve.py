@@ -116,8 +116,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     try:
-        files = [profile_file.load(path) for path in args.profile_file]
-        profile_file.with_files(files)  # no two of one name, none named like a built-in one
+        files, _ = profile_file.load_all(args.profile_file)  # no two of one name, none named like a built-in one
         if args.config is None and len(files) > 1:
             raise ConfigError("--profile-file", "the embedded default runs one profile: give one file at most")
         get_profile(args.profile)

@@ -42,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from specgate.validation import Invalid
 
     try:
-        files = [profile_file.load(path) for path in args.profile_file]
-        profile_file.with_files(files)
+        files, _ = profile_file.load_all(args.profile_file)
     except Invalid as exc:
         print(f"specgate sim: --profile-file {exc}", file=sys.stderr)
         return 2

@@ -200,65 +200,32 @@ class Relay:
             return stream.response
 
     async def _attempts(self, journey: Journey, route: _Route) -> web.StreamResponse:
-        plan = journey.plan
         retries = self.settings.retries
         failure: GatewayError | None = None
         withdrawn = False
         for number in range(retries.max_attempts):
-            # A failover, or a request withdrawn from a replica ejected meanwhile, is not held to the
-            # retry budget: its replica no longer serves it, so it moves load rather than adding to
-            # it; max_attempts bounds it per request.
-            if number and route.continuation is None and not withdrawn:
-                if not self._may_retry():
-                    break
-                await asyncio.sleep(retries.backoff_s * 2 ** (number - 1))
-            withdrawn = False
-            snapshot = self._fitting(journey, self.fleet.snapshot(time.monotonic()))
-            if journey.tried:
-                snapshot = snapshot.without(frozenset(journey.tried))
-            verdict = plan.decide(journey.features, snapshot)
-            if isinstance(verdict, Hold):
-                verdict = await self.admission.hold(journey)
-            if verdict is None:
+            # A failover, or a request withdrawn from or failed by a replica out of rotation by now
+            # (ejected, or resting after a 429), is not held to the retry budget: its replica no
+            # longer serves it, so it moves load rather than adding to it; max_attempts bounds it.
+            budgeted = bool(number) and route.continuation is None and not withdrawn
+            if budgeted and not self._may_retry():
                 break
-            if isinstance(verdict, Shed):
-                self.metrics.decisions.labels(plan.policy.name, "none", verdict.reason).inc()
-                if route.broken_by is not None:
-                    break
-                raise _refusal(verdict)
-            decision = verdict
-            replica = self.fleet.replicas[decision.replica.name]
-            journey.tried.append(replica.name)
-            self.metrics.decisions.labels(plan.policy.name, replica.pool.value, decision.reason).inc()
-            if number:
-                self.metrics.retries.labels(replica.pool.value).inc()
-            last = number == retries.max_attempts - 1
-            resuming = route.resuming()
-            attempt = Attempt(
-                journey, replica, decision, self.session, self.settings.timeouts, last=last, resuming=resuming
-            )
+            # Counted in progress from now, its backoff included: requests failing together must
+            # not all pass the budget before any of them is counted.
             self.retrying += bool(number)
             try:
-                response = await attempt.run()
+                response = await self._attempt(journey, route, number, budgeted)
             except RetryElsewhere as retry:
                 failure, withdrawn = retry.error, retry.withdrawn
                 continue
-            except StreamBroke as broke:
-                route.stream, route.broken_by = broke.stream, attempt
-                route.continuation = self._continuation(journey, broke) if broke.resumable else None
+            except StreamBroke:
                 if route.continuation is None:
                     break
                 continue
-            except asyncio.CancelledError:
-                route.stream = attempt.stream or route.stream
-                self.feedback.answered(journey, attempt)  # the client left, or the gateway is shutting down
-                raise
             finally:
                 self.retrying -= bool(number)
-                self.admission.kick()  # the replica has room again
-            self.feedback.answered(journey, attempt)
-            if resuming is not None:
-                self.metrics.failovers.labels("resumed").inc()
+            if response is None:
+                break
             return response
         stream = route.stream
         if route.broken_by is None or stream is None:
@@ -268,6 +235,59 @@ class Relay:
         await stream.fail()  # its headers went out long ago: the stream ends with an error event
         self.feedback.answered(journey, route.broken_by)
         return stream.response
+
+    async def _attempt(self, journey: Journey, route: _Route, number: int, budgeted: bool) -> web.StreamResponse | None:
+        """The request's `number`-th try: a replica chosen without those tried, and its answer;
+        None when there is none to try (the relay ends the request). Raises RetryElsewhere when
+        another replica may still serve it, StreamBroke when its stream broke (with the route
+        told how it may go on)."""
+        plan, retries = journey.plan, self.settings.retries
+        if budgeted:
+            await asyncio.sleep(retries.backoff_s * 2 ** (number - 1))
+        snapshot = self._fitting(journey, self.fleet.snapshot(time.monotonic()))
+        if journey.tried:
+            snapshot = snapshot.without(frozenset(journey.tried))
+        verdict = plan.decide(journey.features, snapshot)
+        if isinstance(verdict, Hold):
+            verdict = await self.admission.hold(journey)
+        if verdict is None:
+            return None
+        if isinstance(verdict, Shed):
+            self.metrics.decisions.labels(plan.policy.name, "none", verdict.reason).inc()
+            if route.broken_by is not None:
+                return None
+            raise _refusal(verdict)
+        decision = verdict
+        replica = self.fleet.replicas[decision.replica.name]
+        journey.tried.append(replica.name)
+        self.metrics.decisions.labels(plan.policy.name, replica.pool.value, decision.reason).inc()
+        if number:
+            self.metrics.retries.labels(replica.pool.value).inc()
+        last = number == retries.max_attempts - 1
+        resuming = route.resuming()
+        attempt = Attempt(
+            journey, replica, decision, self.session, self.settings.timeouts, last=last, resuming=resuming
+        )
+        try:
+            response = await attempt.run()
+        except RetryElsewhere as retry:
+            # A replica ejected by now (by this failure or another), or resting after its 429, takes
+            # no requests: retrying elsewhere moves load off it, it does not add any.
+            raise RetryElsewhere(retry.error, withdrawn=retry.withdrawn or not replica.available()) from None
+        except StreamBroke as broke:
+            route.stream, route.broken_by = broke.stream, attempt
+            route.continuation = self._continuation(journey, broke) if broke.resumable else None
+            raise
+        except asyncio.CancelledError:
+            route.stream = attempt.stream or route.stream
+            self.feedback.answered(journey, attempt)  # the client left, or the gateway is shutting down
+            raise
+        finally:
+            self.admission.kick()  # the replica has room again
+        self.feedback.answered(journey, attempt)
+        if resuming is not None:
+            self.metrics.failovers.labels("resumed").inc()
+        return response
 
     @staticmethod
     def _continuation(journey: Journey, broke: StreamBroke) -> Continuation | None:

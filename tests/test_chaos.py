@@ -10,6 +10,7 @@ never ejected, and the gateway keeps serving afterwards.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -23,6 +24,7 @@ from aiohttp import web
 
 from specgate.calibration.modes import Pool
 from specgate.gateway.config import StoreSettings, Timeouts
+from specgate.policies.document import parse
 from specgate.testing import RedisServer, SimProcess, running_app
 from specgate.workers.pools import FleetSettings
 from tests.test_gateway_http import MESSAGES, MODEL, SimFactory, running_gateway, settings_for, sim
@@ -174,6 +176,32 @@ async def test_a_sick_replica_loses_no_request(
     assert [o for o in outcomes + again if o != "ok"] == []
     assert faulty.requests > 0  # the fault was met, not avoided by luck
     assert states["spec-1"] == states["plain-0"] == "up"  # the healthy ones never paid for it
+
+
+@pytest.mark.parametrize("ejected", [False, True])
+async def test_the_retry_budget_holds_back_retries_only_while_the_failing_replica_serves(
+    sim_factory: SimFactory, healthy: dict[Pool, SimProcess], ejected: bool
+) -> None:
+    # 32 requests at once, round robin over a replica answering 500 and a healthy one: half fail
+    # together. While the failing replica stays in (it is never ejected here), at most three
+    # retries run at once and the rest of the failures reach their clients: a fleet failing whole
+    # is not hit by a storm of retries. Once its failure ejects it, retrying moves load off it.
+    behind = sim(sim_factory, "speculative")
+    round_robin = parse({"schema_version": 1, "policy": "round-robin"})
+    fleet = dataclasses.replace(CHAOS_FLEET, eject_after=1 if ejected else 10_000)
+    async with aiohttp.ClientSession() as session:
+        faulty = FaultyReplica(behind.url, "500", session)
+        async with running_app(faulty.app()) as sick:
+            pools = {Pool.SPECULATIVE: [sick], Pool.PLAIN: [healthy[Pool.PLAIN].url]}
+            async with running_gateway(settings_for(pools, fleet=fleet, policy=round_robin)) as url:
+                outcomes = await load(url, count=32, concurrency=32)
+    failed = [o for o in outcomes if o != "ok"]
+    if ejected:
+        assert failed == []
+    else:
+        assert failed
+        assert all(o.startswith("502") and "answered 500" in o for o in failed), failed
+        assert len(failed) < 16
 
 
 async def test_a_replica_killed_under_load_loses_no_request(
