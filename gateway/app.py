@@ -21,7 +21,7 @@ from specgate.gateway.admin import add_admin_routes
 from specgate.gateway.admission import AdmissionControl
 from specgate.gateway.clients import Clients, merged, parse_keys
 from specgate.gateway.config import GatewaySettings
-from specgate.gateway.errors import openai_errors
+from specgate.gateway.errors import SERVER, openai_errors
 from specgate.gateway.handlers import add_routes
 from specgate.gateway.metrics import GatewayMetrics
 from specgate.gateway.policy_sync import STORE_ERRORS, PolicyControl
@@ -111,11 +111,16 @@ async def _drain(app: web.Application) -> None:
         await app[RELAY].drain(app[SETTINGS].shutdown_grace_s)
 
 
+async def _server_header(_: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER
+
+
 def make_app(settings: GatewaySettings) -> web.Application:
     app = web.Application(middlewares=[openai_errors], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_resources)
     app.on_shutdown.append(_drain)
+    app.on_response_prepare.append(_server_header)
     add_routes(app)
     if settings.admin_token is not None:
         add_admin_routes(app)

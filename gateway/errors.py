@@ -185,9 +185,15 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return error_response(GatewayError("internal gateway error"))
 
 
+SERVER = "specgate"
+"""The `Server` header of every answer: the product, not the framework and its version under it."""
+
+
 def http_error_response(exc: web.HTTPException) -> web.Response:
     """aiohttp's own error (404, 405, 417, ...) in the OpenAI shape."""
     kind = "invalid_request_error" if exc.status < 500 else "server_error"
     default = not exc.text or exc.text.startswith(f"{exc.status}:")  # aiohttp's "404: Not Found"
     body = {"error": {"message": exc.reason if default else exc.text, "type": kind, "param": None, "code": None}}
-    return web.Response(status=exc.status, body=orjson.dumps(body), content_type="application/json")
+    return web.Response(
+        status=exc.status, body=orjson.dumps(body), content_type="application/json", headers={"Server": SERVER}
+    )

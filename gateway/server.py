@@ -25,7 +25,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from specgate.gateway.errors import http_error_response
+from specgate.gateway.errors import SERVER, http_error_response
 
 _log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class GuardedHandler(RequestHandler):
             body = _error(503, "the gateway is at its connection limit; retry later", "server_error", "overloaded")
             head = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
             assert isinstance(transport, asyncio.Transport)
-            transport.write(head + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            head += b"Server: %s\r\nConnection: close\r\n" % SERVER.encode()
+            transport.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
             transport.close()
             return
         super().connection_made(transport)
@@ -103,6 +104,7 @@ class GuardedHandler(RequestHandler):
         if self.transport is not None and not self.transport.is_closing():
             body = _error(408, "the request was not received in time", "invalid_request_error", "request_timeout")
             head = b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            head += b"Server: %s\r\n" % SERVER.encode()
             self.transport.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         self.force_close()
         if self.transport is not None:
@@ -149,7 +151,10 @@ class GuardedHandler(RequestHandler):
         if code == 500 and exc is not None:
             _log.error("error handling a request from %s", request.remote, exc_info=exc)
         error_type = "invalid_request_error" if code < 500 else "server_error"
-        response = web.Response(status=code, body=_error(code, text, error_type, kind), content_type="application/json")
+        response = web.Response(
+            status=code, body=_error(code, text, error_type, kind), content_type="application/json",
+            headers={"Server": SERVER},
+        )  # fmt: skip
         response.force_close()
         return response
 

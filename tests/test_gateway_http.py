@@ -807,6 +807,18 @@ async def test_requests_too_broken_for_a_handler_get_the_openai_error_shape(
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.split(b" ")[1] == b"%d" % status, head[:80]
     assert json.loads(body)["error"]["code"] == code
+    assert b"\r\nServer: specgate\r\n" in head + b"\r\n"  # not the framework and its version
+
+
+async def test_every_answer_names_the_product_not_the_framework(gateway: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
+        for method, path, json_body in (("GET", "/health", None), ("GET", "/nowhere", None),
+                                        ("POST", "/v1/chat/completions", body),
+                                        ("POST", "/v1/chat/completions", {**body, "stream": True})):  # fmt: skip
+            async with session.request(method, f"{gateway}{path}", json=json_body) as r:
+                await r.read()
+                assert r.headers.getall("Server") == ["specgate"], (path, r.headers)
 
 
 async def test_slow_and_idle_sockets_cannot_take_the_gateway_off_the_air(fleet: dict[Pool, list[SimProcess]]) -> None:
@@ -821,9 +833,11 @@ async def test_slow_and_idle_sockets_cannot_take_the_gateway_off_the_air(fleet: 
         full = await raw_exchange(url, b"", read_for=1.0)
         assert full.split(b" ")[1] == b"503"
         assert b'"code":"overloaded"' in full
+        assert b"\r\nServer: specgate\r\n" in full
         # the slow ones are cut off after the head deadline, with a 408
         answers = await asyncio.gather(*(asyncio.wait_for(reader.read(4096), 3.0) for reader, _ in slow))
         assert all(a.split(b" ")[1] == b"408" for a in answers)
+        assert all(b"\r\nServer: specgate\r\n" in a for a in answers)
         for _, writer in slow:
             writer.close()
         # a body promised to a route that needs none: answered, and the socket freed soon after
