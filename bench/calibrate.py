@@ -195,7 +195,7 @@ async def measure(
                     delta = after - before if after is not None else None
                     if delta is None or delta.drafts <= 0:
                         raise CalibrationError(f"{server.url} speculates but its counters did not move")
-                    total = delta if total is None else _sum(total, delta)
+                    total = delta if total is None else total + delta
                     query = 1 + round(delta.draft_tokens / delta.drafts)  # k drafts verified with the next token
                 if step_s is None:
                     continue
@@ -203,16 +203,6 @@ async def measure(
                 steps.append(Step("decode", batch, query, context + sweep.output_tokens / 2, 0, step_ms))
             progress(f"{server.url} decode B={batch} C={context}")
     return steps, total
-
-
-def _sum(a: SpecCounters, b: SpecCounters) -> SpecCounters:
-    positions = max(len(a.accepted_per_pos), len(b.accepted_per_pos))
-    per_pos = [0.0] * positions
-    for counts in (a.accepted_per_pos, b.accepted_per_pos):
-        for i, n in enumerate(counts):
-            per_pos[i] += n
-    return SpecCounters(a.drafts + b.drafts, a.draft_tokens + b.draft_tokens, a.accepted_tokens + b.accepted_tokens,
-                        tuple(per_pos))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -317,7 +307,7 @@ async def calibrate(
             steps, delta = await measure(session, server, sweep, time_scale, rng, step)
             (spec if server.speculative else plain).extend(steps)
             if delta is not None:
-                counters = delta if counters is None else _sum(counters, delta)
+                counters = delta if counters is None else counters + delta
     kind = "quick" if sweep == QUICK else "full"
     source = f"specgate calibrate ({kind} sweep) of {', '.join(s.url for s in servers)}"
     if time_scale != 1.0:

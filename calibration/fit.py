@@ -90,14 +90,12 @@ def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float], weights:
     residual = sum(w * (y - sum(a * b for a, b in zip(r, full, strict=True))) ** 2
                    for r, y, w in zip(rows, ys, weights, strict=True))  # fmt: skip
     dof = len(ys) - len(columns)
-    sigma2 = residual / sum(weights) * len(ys) / dof if dof > 0 else math.nan
+    sigma2 = residual / dof if dof > 0 else math.nan
     errors = [math.nan] * len(full)
-    for k, c in enumerate(columns):
-        unit = [1.0 if i == k else 0.0 for i in range(len(columns))]
-        xtx = [[sum(w * r[i] * r[j] for r, w in zip(rows, weights, strict=True)) for j in columns] for i in columns]
-        inverse_column = _solve(xtx, unit)
+    for k, c in enumerate(columns):  # the diagonal of sigma2 (X'WX)^-1, the matrix of the last fit
+        inverse_column = _solve(xtx, [1.0 if i == k else 0.0 for i in range(len(columns))])
         if inverse_column is not None and not math.isnan(sigma2):
-            errors[c] = math.sqrt(max(sigma2 * inverse_column[k] * sum(weights) / len(ys), 0.0))
+            errors[c] = math.sqrt(max(sigma2 * inverse_column[k], 0.0))
     return LeastSquares(tuple(full), tuple(errors))
 
 

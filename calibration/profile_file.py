@@ -152,12 +152,13 @@ def load_all(paths: Sequence[Path]) -> tuple[list[ProfileFile], Mapping[str, Pro
     return files, with_files(files)
 
 
-def with_files(files: Sequence[ProfileFile]) -> Mapping[str, Profile]:
-    """The built-in profiles and those of `files`, by name; a name given twice is an error."""
-    known = dict(PROFILES)
+def with_files(files: Sequence[ProfileFile], known: Mapping[str, Profile] = PROFILES) -> Mapping[str, Profile]:
+    """The `known` profiles (the built-in ones) and those of `files`, by name; a name given twice
+    is an error."""
+    merged = dict(known)
     for f in files:
-        if f.profile.name in known:
+        if f.profile.name in merged:
             where = f" ({f.path})" if f.path else ""
             raise Invalid(f"{f.profile.name}{where}", "a profile of that name is already known")
-        known[f.profile.name] = f.profile
-    return MappingProxyType(known)
+        merged[f.profile.name] = f.profile
+    return MappingProxyType(merged)

@@ -63,13 +63,10 @@ def run(args: argparse.Namespace) -> int:
     def adjust(settings: GatewaySettings, *, embedded: bool = False) -> GatewaySettings:
         changes: dict[str, Any] = {}
         if files:
-            profiles = dict(settings.profiles)
-            for f in files:
-                if f.profile.name in profiles:
-                    raise ConfigError(
-                        f"--profile-file {f.path}", f"a profile named {f.profile.name!r} is already known"
-                    )
-                profiles[f.profile.name] = f.profile
+            try:
+                profiles = profile_file.with_files(files, settings.profiles)  # the config's files too
+            except Invalid as exc:
+                raise ConfigError("--profile-file", str(exc)) from None
             changes["profiles"] = profiles
             if embedded:  # the replicas run the file's profile: so does the latency model
                 settings = dataclasses.replace(

@@ -31,8 +31,8 @@ from tests.test_gateway_http import (
     MODEL,
     SimFactory,
     client,
-    healthy,
     running_gateway,
+    scripted_replica,
     settings_for,
     sim,
 )
@@ -232,14 +232,7 @@ def stalling_replica(sent: list[int]) -> web.Application:
         await asyncio.sleep(3600)
         return response
 
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", healthy)
-    app.router.add_post("/v1/chat/completions", stall)
-    return app
+    return scripted_replica(stall)
 
 
 async def test_a_stream_that_stalls_goes_on_elsewhere_and_the_sdk_sees_one_answer(sim_factory: SimFactory) -> None:

@@ -415,9 +415,6 @@ async def healthy(_: web.Request) -> web.Response:
 def broken_replica() -> web.Application:
     """A replica whose engine has died: healthy metrics, 500 on every completion (as vLLM's EngineDeadError)."""
 
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
-
     async def fail(_: web.Request) -> web.Response:
         error = {
             "message": "EngineCore encountered an issue.",
@@ -427,11 +424,7 @@ def broken_replica() -> web.Application:
         }
         return web.json_response({"error": error}, status=500)
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", healthy)
-    app.router.add_post("/v1/chat/completions", fail)
-    return app
+    return scripted_replica(fail)
 
 
 async def test_5xx_before_any_byte_is_retried_in_the_other_pool(fleet: dict[Pool, list[SimProcess]]) -> None:
@@ -524,18 +517,11 @@ async def test_replica_dying_mid_stream_ends_the_stream_with_an_error_event(sim_
 def echo_replica() -> web.Application:
     """A replica that answers with the headers it received, to see what the gateway forwards."""
 
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
-
     async def echo(request: web.Request) -> web.Response:
         body = await request.read()
         return web.json_response({"headers": {k.lower(): v for k, v in request.headers.items()}, "body": body.decode()})
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", healthy)
-    app.router.add_post("/v1/chat/completions", echo)
-    return app
+    return scripted_replica(echo)
 
 
 # Spacing, key order, escapes and unknown fields that a re-encoding router would change.

@@ -26,14 +26,21 @@ class SpecCounters:
     accepted_per_pos: tuple[float, ...] = ()
 
     def __sub__(self, earlier: SpecCounters) -> SpecCounters:
-        positions = max(len(self.accepted_per_pos), len(earlier.accepted_per_pos))
+        return self._combined(earlier, -1.0)
+
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        """The counts of two intervals together."""
+        return self._combined(other, 1.0)
+
+    def _combined(self, other: SpecCounters, sign: float) -> SpecCounters:
+        positions = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         mine = self.accepted_per_pos + (0.0,) * (positions - len(self.accepted_per_pos))
-        theirs = earlier.accepted_per_pos + (0.0,) * (positions - len(earlier.accepted_per_pos))
+        theirs = other.accepted_per_pos + (0.0,) * (positions - len(other.accepted_per_pos))
         return SpecCounters(
-            self.drafts - earlier.drafts,
-            self.draft_tokens - earlier.draft_tokens,
-            self.accepted_tokens - earlier.accepted_tokens,
-            tuple(a - b for a, b in zip(mine, theirs, strict=True)),
+            self.drafts + sign * other.drafts,
+            self.draft_tokens + sign * other.draft_tokens,
+            self.accepted_tokens + sign * other.accepted_tokens,
+            tuple(a + sign * b for a, b in zip(mine, theirs, strict=True)),
         )
 
 
