@@ -109,7 +109,8 @@ class Attempt:
         replica, prompt = self.replica, self.journey.features.prompt_tokens
         self.started = time.monotonic()
         body = await self._body()
-        replica.dispatched_one(prompt, self.started)
+        decision = self.decision
+        replica.dispatched_one(prompt, self.started, key=self, slack_ms=decision.slack_ms, delays_ms=decision.delays_ms)
         watchdog = Watchdog(self.timeouts.first_byte_s, self.timeouts.idle_s)
         replica.waiting.add(watchdog.fire)  # ejected meanwhile (hung, say): go elsewhere
         try:
@@ -137,7 +138,7 @@ class Attempt:
             raise
         finally:
             watchdog.stop()
-            replica.finished(got_first_byte=self._got_first_byte, prompt_tokens=prompt)
+            replica.finished(got_first_byte=self._got_first_byte, prompt_tokens=prompt, key=self)
 
     async def _body(self) -> bytes:
         """The request body for this replica: the client's, or the continuation of its stream."""
