@@ -272,10 +272,8 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             refused[verdict.reason if verdict is not None else "no-replica"] += 1
             return
         name = verdict.replica.name
+        fleet.replicas[name].dispatched_one(request.prompt_tokens, now)
         request_id = f"r{index}"
-        fleet.replicas[name].dispatched_one(
-            request.prompt_tokens, now, key=request_id, slack_ms=verdict.slack_ms, delays_ms=verdict.delays_ms
-        )
         routed[request_id] = (request, name, verdict, now - request.arrival_s)
         output = min(request.output_tokens, max_tokens(profile, request.prompt_tokens))
         sims[name].engine.add_request(request_id, request.prompt_tokens, output, arrival=now)
@@ -300,7 +298,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
                 replica.first_byte(routed[out.request_id][0].prompt_tokens)
         for done in step.finished:
             request, _, decision, held = routed.pop(done.request_id)
-            replica.finished(got_first_byte=True, key=done.request_id)
+            replica.finished(got_first_byte=True)
             assert done.ttft is not None
             replica.observe(done.ttft, done.tpot, *decision.predicted_s)
             lengths.observe(MODEL, request.prompt_tokens, done.output_tokens, request.request_class)

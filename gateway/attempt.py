@@ -109,8 +109,7 @@ class Attempt:
         replica, prompt = self.replica, self.journey.features.prompt_tokens
         self.started = time.monotonic()
         body = await self._body()
-        decision = self.decision
-        replica.dispatched_one(prompt, self.started, key=self, slack_ms=decision.slack_ms, delays_ms=decision.delays_ms)
+        replica.dispatched_one(prompt, self.started)
         watchdog = Watchdog(self.timeouts.first_byte_s, self.timeouts.idle_s)
         replica.waiting.add(watchdog.fire)  # ejected meanwhile (hung, say): go elsewhere
         try:
@@ -138,7 +137,7 @@ class Attempt:
             raise
         finally:
             watchdog.stop()
-            replica.finished(got_first_byte=self._got_first_byte, prompt_tokens=prompt, key=self)
+            replica.finished(got_first_byte=self._got_first_byte, prompt_tokens=prompt)
 
     async def _body(self) -> bytes:
         """The request body for this replica: the client's, or the continuation of its stream."""

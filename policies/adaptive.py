@@ -1,12 +1,8 @@
 """The adaptive policy: per request, the pool and replica most likely to meet its SLOs.
 
 For every healthy replica the latency model predicts this request's TTFT, TPOT and the harm its
-joining does to the requests already there. A replica's value is the SLOs expected to be met by
-placing the request there: its own chance of meeting both, less the requests already there that
-its prompt would push past their TPOT target (each request the gateway sent there left the slack
-its target allowed; every prompt placed after it spends some: `workers/slack.py`). The replicas of
-about the best value are kept; among them the one with the best predicted completion (plus the
-weighted harm) wins. When none can meet
+joining does to the requests already there. Replicas predicted to meet both SLOs are kept; among
+them the one with the best predicted completion (plus the weighted harm) wins. When none can meet
 them, the request is refused with a hint of when to retry if shedding is on and its priority is
 below the shedding line; otherwise it is served best-effort where it costs the other requests'
 SLOs least: on a replica whose requests are already late, else on the least-violating one. Under
@@ -53,15 +49,6 @@ class _Option:
     chance: float
     """Predicted probability that the request meets both of its SLOs on this replica."""
     score: float
-    missed: int
-    """Requests there that meet their TPOT target so far and that its prompt would make miss it."""
-    slack_ms: float | None
-    """The delay it could take there before it misses its own TPOT target."""
-
-    @property
-    def value(self) -> float:
-        """The SLOs expected to be met by placing it here: its own chance, less those it breaks."""
-        return self.chance - self.missed
 
 
 @dataclass(frozen=True)
@@ -93,14 +80,11 @@ class Adaptive:
 
     def _options(self, snapshot: Snapshot, features: RequestFeatures, ttft_ms: float | None) -> list[_Option]:
         output = self.model.expected_output(features)
-        tpot_ms = features.slo_tpot_ms
         options = []
         for replica in snapshot.healthy():
             p = self.model.predict(replica, features)
             score = (p.completion_ms(output) + self.params.harm_weight * p.harm_ms) / replica.weight
-            slack = self.model.slack_ms(p, tpot_ms) if tpot_ms is not None else None
-            chance = self.chance(p, ttft_ms, tpot_ms)
-            options.append(_Option(replica, p, chance, score, replica.missed_by(p.delay_ms), slack))
+            options.append(_Option(replica, p, self.chance(p, ttft_ms, features.slo_tpot_ms), score))
         return options
 
     def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Verdict:
@@ -113,10 +97,7 @@ class Adaptive:
             return self._decision(best, "fastest")
         top = max(o.chance for o in options)
         if top >= self.params.min_chance:
-            # The most SLOs met, its own and those of the requests already there; then the soonest done.
-            likely = [o for o in options if o.chance >= self.params.min_chance]
-            most = max(o.value for o in likely)
-            contenders = [o for o in likely if o.value >= most - self.params.tolerance]
+            contenders = [o for o in options if o.chance >= top - self.params.tolerance]
             best, reason = min(contenders, key=lambda o: o.score), "meets-slo"
             if self._explores(features.sequence):
                 others = [o for o in contenders if o.replica.pool is not best.replica.pool]
@@ -135,7 +116,7 @@ class Adaptive:
         if reachable > 0:
             # Waiting pays only while a replica could offer more than the best one offers now:
             # when even an idle one offers a long shot, the best long shot now is as good.
-            best = max(options, key=lambda o: (o.value, -o.score))
+            best = max(options, key=lambda o: (o.chance, -o.score))
             if best.chance > 0 and best.chance >= min(self.params.min_chance, reachable) * (1 - self.params.tolerance):
                 return self._decision(best, "best-chance")
             return Hold("queued")  # one may soon: wait in the gateway, not in a replica's queue
@@ -145,7 +126,7 @@ class Adaptive:
         # wait runs out, else wait in the gateway for such a place or for the end of the wait.
         left = admission.give_up_ms(features) - features.waited_ms
         relaxed = self._options(snapshot, features, left)
-        best = max(relaxed, key=lambda o: (o.value, -o.score))
+        best = max(relaxed, key=lambda o: (o.chance, -o.score))
         if best.chance >= self.params.min_chance:
             return self._decision(best, "best-effort", best_effort=True)
         return Hold("best-effort")
@@ -156,7 +137,7 @@ class Adaptive:
         much the requests already there still stand to meet: where that is nil, they are late
         already and lose nothing more), then the least-violating."""
         return self._decision(
-            min(options, key=lambda o: (-o.value, o.chance * o.prediction.harm_ms, o.score)), "best-effort", True
+            min(options, key=lambda o: (-o.chance, o.chance * o.prediction.harm_ms, o.score)), "best-effort", True
         )
 
     def _infeasible(self, features: RequestFeatures, replicas: object) -> str:
@@ -170,5 +151,4 @@ class Adaptive:
     @staticmethod
     def _decision(option: _Option, reason: str, best_effort: bool = False) -> Decision:
         p = option.prediction
-        slack = None if best_effort or not option.slack_ms else option.slack_ms
-        return Decision(option.replica, reason, p.ttft_ms, p.tpot_ms, option.chance, best_effort, slack, p.delay_ms)
+        return Decision(option.replica, reason, p.ttft_ms, p.tpot_ms, option.chance, best_effort)

@@ -24,10 +24,6 @@ class Decision:
     best_effort: bool = False
     """Its SLOs are out of reach: it is served as well as can be, after every request that can
     still meet its own (the admission queue holds it back while such requests wait)."""
-    slack_ms: float | None = None
-    """The delay it can take there before it misses its TPOT target (`workers/slack.py`)."""
-    delays_ms: float = 0.0
-    """The delay its prompt imposes on each request already there."""
 
     @property
     def predicted_s(self) -> tuple[float | None, float | None]:

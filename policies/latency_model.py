@@ -53,8 +53,6 @@ class Prediction:
     tpot_ms: float
     harm_ms: float = 0.0
     """Extra time this request would impose on the requests already on the replica, summed."""
-    delay_ms: float = 0.0
-    """Of that, what each one of them would suffer."""
     decode_tpot_ms: float = 0.0
     """TPOT without prefill stalls: the step time at the joined batch over tokens per step."""
     stall_ms: float = 0.0
@@ -177,12 +175,11 @@ class LatencyModel:
         stalls = rate * (ttft_ms + tpot * gaps) / 1e3
         stay_steps = math.ceil(output / tokens_per_step)
         stall = prefill_ms(prompt) - decode_ms * math.ceil(prompt / chunk)  # what this prompt does to others
-        delay = (max(stall, 0.0) + max(joined - decode_ms, 0.0) * stay_steps) * correction
+        harm = batch * (max(stall, 0.0) + max(joined - decode_ms, 0.0) * stay_steps) if batch else 0.0
         return Prediction(
             ttft_ms=ttft_ms,
             tpot_ms=tpot,
-            harm_ms=batch * delay,
-            delay_ms=delay if batch else 0.0,
+            harm_ms=harm * correction,
             decode_tpot_ms=decode_tpot,
             stall_ms=stall_ms,
             stalls=stalls,
@@ -232,16 +229,6 @@ class LatencyModel:
                 allowed = int(room_ms // prediction.stall_ms) if prediction.stall_ms > 0 else None
                 chance += output_weight * weight * (1.0 if allowed is None else _poisson_cdf(allowed, stalls))
         return min(chance, 1.0)
-
-    def slack_ms(self, prediction: Prediction, slo_tpot_ms: float) -> float:
-        """How much delay, summed over its answer, the request can take before it misses `slo_tpot_ms`:
-        the room its target leaves above its stall-free TPOT, over an answer of the median length
-        (half of answers are shorter, and those are the ones a stall breaks)."""
-        median = prediction.output_tokens * math.exp(-(prediction.output_spread**2) / 2)
-        if prediction.max_output_tokens is not None:
-            median = min(median, prediction.max_output_tokens)
-        gaps = max(round(median) - 1, 1)
-        return max(slo_tpot_ms - prediction.decode_tpot_ms, 0.0) * gaps
 
     @staticmethod
     def _outputs(prediction: Prediction) -> list[tuple[int, float]]:

@@ -201,25 +201,3 @@ def test_every_policy_returns_a_healthy_replica_and_never_raises(
     else:
         assert decision in (Hold("queued"), Hold("best-effort"))
         assert name == "adaptive"
-
-
-def test_a_long_prompt_goes_where_it_breaks_no_one_s_tpot() -> None:
-    """Two plain replicas with two requests each; on plain-0 one of them can take only 100 ms more
-    delay before it misses its TPOT target. A long prompt, which stalls everyone there for longer,
-    goes to plain-1; a short one, which stalls no one that long, may go to either."""
-    long = replace(FEATURES, prompt_tokens=6000, sequence=2)
-    fragile = state("plain-0", Pool.PLAIN, 2, slack_marks=(100.0, 50_000.0))
-    sturdy = state("plain-1", Pool.PLAIN, 2, slack_marks=(50_000.0, 50_000.0))
-    policy = Adaptive(MODEL, exploration=0.0)
-    for snapshot in (Snapshot((fragile, sturdy)), Snapshot((sturdy, fragile))):
-        decision = policy.decide(long, snapshot)
-        assert isinstance(decision, Decision)
-        assert decision.replica.name == "plain-1"
-        assert decision.delays_ms > 100.0  # what it tells the replica's ledger it costs the others
-        assert decision.slack_ms is not None
-        assert decision.slack_ms > 0
-    # with the fragile request gone, the two replicas are alike again: the first listed wins the tie
-    alike = Snapshot((replace(fragile, slack_marks=(50_000.0, 50_000.0)), sturdy))
-    decision = policy.decide(long, alike)
-    assert isinstance(decision, Decision)
-    assert decision.replica.name == "plain-0"

@@ -185,9 +185,7 @@ def test_under_overload_the_adaptive_policy_holds_and_refuses_instead_of_queuein
     }
     held, fixed, unheld = (runs[p].summary() for p in runs)
     assert held["slo_attainment"] > fixed["slo_attainment"] + 0.1
-    # unheld, the requests already decoding are still spared the prompts that would break their
-    # TPOT, but the rest queue in the replicas and are late
-    assert held["slo_attainment"] > unheld["slo_attainment"] + 0.03
+    assert held["slo_attainment"] > unheld["slo_attainment"] + 0.1
     # nobody waits much past three times the TTFT target (the last dispatches land on predictions)
     assert held["ttft_p99_ms"] < 1.1 * 3 * 2000.0 < fixed["ttft_p99_ms"]
     assert set(runs["adaptive"].refused) <= {"deadline", "queue-full"}

@@ -23,7 +23,6 @@ from specgate.calibration.modes import Pool
 from specgate.workers.acceptance import SpecCounters, acceptance
 from specgate.workers.health import Health
 from specgate.workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
-from specgate.workers.slack import SlackLedger
 from specgate.workers.snapshot import ReplicaState, Snapshot
 
 _log = logging.getLogger(__name__)
@@ -110,27 +109,13 @@ class Replica:
         """The token counters' last sum, and when it last moved."""
         self.busy_until = 0.0
         """Until when it takes no request, after a 429."""
-        self.slack = SlackLedger()
         self.received_at = 0.0
         """When a byte of an answer last arrived from it (a replica still sending is not hung,
         whatever its counters say: what it sends may have been generated a while ago)."""
 
     # --- the gateway's own accounting ---------------------------------------------------------
 
-    def dispatched_one(
-        self,
-        prompt_tokens: int = 0,
-        now: float | None = None,
-        *,
-        key: object = None,
-        slack_ms: float | None = None,
-        delays_ms: float = 0.0,
-    ) -> None:
-        """A request sent there: its prompt delays the requests already there by `delays_ms` each
-        (as its policy predicted), and one with a TPOT target enters with its `slack_ms` under `key`."""
-        self.slack.delay(delays_ms)
-        if key is not None and slack_ms is not None:
-            self.slack.enter(key, slack_ms)
+    def dispatched_one(self, prompt_tokens: int = 0, now: float | None = None) -> None:
         self.dispatched += 1
         self.in_flight += 1
         self.prefilling += 1
@@ -148,10 +133,8 @@ class Replica:
         self.prefilling -= 1
         self.prefill_tokens -= prompt_tokens
 
-    def finished(self, *, got_first_byte: bool, prompt_tokens: int = 0, key: object = None) -> None:
+    def finished(self, *, got_first_byte: bool, prompt_tokens: int = 0) -> None:
         self.in_flight -= 1
-        if key is not None:
-            self.slack.leave(key)
         if not got_first_byte:
             self.first_byte(prompt_tokens)
 
@@ -267,8 +250,6 @@ class Replica:
             ttft_correction=self.ttft_correction if ttft_correction is None else ttft_correction,
             tpot_correction=self.tpot_correction if tpot_correction is None else tpot_correction,
             max_model_len=self.max_model_len,
-            slack_marks=self.slack.marks() if len(self.slack) else (),
-            slack_spent_ms=self.slack.spent_ms,
         )
 
 

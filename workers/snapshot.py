@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from specgate.calibration.modes import Pool
-from specgate.workers.slack import missed_by
 
 
 @dataclass(frozen=True)
@@ -48,20 +47,12 @@ class ReplicaState:
     weight: float = 1.0
     """The operator's preference for the replica's pool (policy document): policies divide its
     load and its predicted completion by it, so a pool of weight 2 takes about twice the share."""
-    slack_marks: tuple[float, ...] = ()
-    """The TPOT slack of the requests there (`workers/slack.py`): sorted marks against `slack_spent_ms`."""
-    slack_spent_ms: float = 0.0
-
-    def missed_by(self, delay_ms: float) -> int:
-        """How many requests there that still meet their TPOT target would miss it if delayed `delay_ms` more."""
-        return missed_by(self.slack_marks, self.slack_spent_ms, delay_ms)
 
     def idle(self) -> ReplicaState:
         """The same replica with nothing on it: what a request could get at best there."""
         return replace(
             self, in_flight=0, prefilling=0, prefill_tokens=0, prefill_tokens_per_s=0.0, arrivals_per_s=0.0,
-            dispatched_since_scrape=0, running=None, waiting=None, kv_usage=None, slack_marks=(),
-            slack_spent_ms=0.0,
+            dispatched_since_scrape=0, running=None, waiting=None, kv_usage=None,
         )  # fmt: skip
 
     @property
