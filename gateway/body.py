@@ -15,7 +15,8 @@ from msgspec import Meta
 
 from specgate.gateway.errors import BadBody, ModelNotFound
 from specgate.protocol.endpoints import Endpoint
-from specgate.protocol.tokens import chat_prompt_tokens, completion_prompt_tokens
+from specgate.protocol.repetition import repetition, text_repetition
+from specgate.protocol.tokens import chat_prompt_tokens, completion_prompt_tokens, content_text
 from specgate.validation import invalid
 
 Tokens = Annotated[int, Meta(ge=1)]
@@ -39,6 +40,8 @@ class BodyFields:
     stream: bool
     max_tokens: int | None
     prompt_tokens: int
+    repetition: float = 0.0
+    """How much of the prompt repeats itself (`protocol/repetition.py`)."""
 
 
 def _prompt_tokens(endpoint: Endpoint, body: _RoutingFields) -> int:
@@ -59,6 +62,20 @@ def _prompt_tokens(endpoint: Endpoint, body: _RoutingFields) -> int:
     raise BadBody("'prompt' must be a string, a list of strings or a list of token ids", param="prompt")
 
 
+def _prompt_repetition(endpoint: Endpoint, body: _RoutingFields) -> float:
+    """Of a body `_prompt_tokens` has accepted: the repetition of the prompt's end."""
+    if endpoint is Endpoint.CHAT:
+        texts = [content_text(m.get("content")) for m in body.messages[-8:] if isinstance(m, dict)]
+        return text_repetition("\n".join(texts))
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return text_repetition(prompt)
+    last = prompt[-1]
+    if isinstance(last, str):
+        return text_repetition(last)
+    return repetition(last if isinstance(last, list) else prompt)
+
+
 def parse_body(raw: bytes, endpoint: Endpoint, served: tuple[str, ...]) -> BodyFields:
     try:
         body = _DECODER.decode(raw)
@@ -76,4 +93,5 @@ def parse_body(raw: bytes, endpoint: Endpoint, served: tuple[str, ...]) -> BodyF
     if model not in served:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return BodyFields(model, bool(body.stream), max_tokens, _prompt_tokens(endpoint, body))
+    prompt_tokens = _prompt_tokens(endpoint, body)
+    return BodyFields(model, bool(body.stream), max_tokens, prompt_tokens, _prompt_repetition(endpoint, body))

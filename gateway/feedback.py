@@ -3,7 +3,8 @@
 After every request: the request counter by pool, reason and status (the gateway's own refusals
 and errors included), the access log line when it is on, and, from a successful answer, the
 output length for its group, the replica's observed TTFT and TPOT with the corrections of the
-latency model, the latency histograms, the prediction error and the SLO outcome.
+latency model, on a speculative replica the speedup of the request's group over the pool's mean
+acceptance, the latency histograms, the prediction error and the SLO outcome.
 """
 
 from __future__ import annotations
@@ -11,19 +12,22 @@ from __future__ import annotations
 import logging
 import time
 
+from specgate.calibration.modes import Pool
 from specgate.gateway.attempt import Attempt
 from specgate.gateway.errors import GatewayError
 from specgate.gateway.journey import Journey
 from specgate.gateway.metrics import GatewayMetrics
+from specgate.policies.drafts import DraftStats, group
 from specgate.policies.length import LengthStats
 
 ACCESS_LOG = logging.getLogger("specgate.access")
 
 
 class Feedback:
-    def __init__(self, metrics: GatewayMetrics, lengths: LengthStats, *, access_log: bool) -> None:
+    def __init__(self, metrics: GatewayMetrics, lengths: LengthStats, drafts: DraftStats, *, access_log: bool) -> None:
         self.metrics = metrics
         self.lengths = lengths
+        self.drafts = drafts
         self.access_log = access_log
 
     def answered(self, journey: Journey, attempt: Attempt) -> None:
@@ -41,6 +45,10 @@ class Feedback:
             )
         if outcome.streamed:
             replica.observe(outcome.ttft_s, outcome.tpot_s, *decision.predicted_s)
+            predicted_tpot_s = decision.predicted_s[1]
+            if replica.pool is Pool.SPECULATIVE and outcome.tpot_s is not None and predicted_tpot_s is not None:
+                key = group(features.model, journey.endpoint.value, headers.request_class, journey.fields.repetition)
+                self.drafts.observe(key, predicted_tpot_s, features.draft_speedup, outcome.tpot_s)
             if outcome.ttft_s is not None:
                 self.metrics.ttft.labels(pool).observe(outcome.ttft_s)
                 if decision.predicted_ttft_ms is not None:

@@ -46,6 +46,7 @@ from specgate.gateway.metrics import GatewayMetrics
 from specgate.gateway.sla import parse_routing_headers
 from specgate.policies.admission import DEADLINE, QUEUE_FULL
 from specgate.policies.decision import Hold, Shed
+from specgate.policies.drafts import DraftStats, group
 from specgate.policies.features import RequestFeatures
 from specgate.policies.length import LengthStats
 from specgate.policies.registry import RoutingPlan
@@ -85,7 +86,8 @@ class Relay:
         self.clients = clients
         """Client keys, when they are required."""
         self.lengths = LengthStats()
-        self.feedback = Feedback(metrics, self.lengths, access_log=settings.access_log)
+        self.drafts = DraftStats()
+        self.feedback = Feedback(metrics, self.lengths, self.drafts, access_log=settings.access_log)
         self._sequence = itertools.count(1)  # 0 would make the very first request an exploration
         self.routing = 0
         """Requests being routed or relayed now."""
@@ -177,6 +179,9 @@ class Relay:
             priority=headers.priority,
             sequence=next(self._sequence),
             output_hinted=headers.expected_output_tokens is not None,
+            draft_speedup=self.drafts.speedup(
+                group(fields.model, endpoint.value, headers.request_class, fields.repetition)
+            ),
         )
         forwarded = upstream_headers(
             request, headers.request_id, forward_authorization=self.settings.forward_authorization

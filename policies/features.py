@@ -38,6 +38,9 @@ class RequestFeatures:
     """Whether the client gave the output length (then it is known, not estimated)."""
     waited_ms: float = 0.0
     """How long the request has waited in the gateway's admission queue: spent of its TTFT target."""
+    draft_speedup: float = 1.0
+    """Its tokens per speculative step over the pool's mean, as learned for requests like it
+    (`policies/drafts.py`): above 1 it accepts more drafts than most."""
 
     @property
     def remaining_ttft_ms(self) -> float | None:

@@ -8,7 +8,8 @@ For the replica a request would join, with B requests already there:
 - TPOT: the step time at batch B + 1 at the batch's mean context (from the scraped KV usage when
   there is one, else this request's prompt plus half its expected output); a speculative replica
   divides its draft-and-verify step by the tokens per step it was last seen to emit (the profile's
-  mean until scraped). Chunked prefill of the prompts still arriving rides along and slows those
+  mean until scraped), times what requests like this one get over that mean (`policies/drafts.py`).
+  Chunked prefill of the prompts still arriving rides along and slows those
   steps: at the replica's recent rate of prompt tokens, that prefill takes a share f of its time,
   and TPOT is divided by 1 - f; and however recent the rate, a batch of B + 1 is replaced about
   once in the lifetime of each of its requests, so their prefills, spread over this request's
@@ -154,7 +155,8 @@ class LatencyModel:
 
         joined = self.step_ms(pool, batch + 1, context)
         if pool is Pool.SPECULATIVE:
-            tokens_per_step = max(replica.tokens_per_step or self.profile.spec.expected_tokens_per_step(), 1.0)
+            pool_mean = replica.tokens_per_step or self.profile.spec.expected_tokens_per_step()
+            tokens_per_step = max(pool_mean * features.draft_speedup, 1.0)  # this request's own acceptance
         else:
             tokens_per_step = 1.0
         correction = replica.tpot_correction

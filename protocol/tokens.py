@@ -20,7 +20,8 @@ def text_tokens(text: str) -> int:
     return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN)
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """The text of a chat message's content: a string, or the text parts of a list of parts."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -35,7 +36,7 @@ def chat_prompt_tokens(messages: list[Any]) -> int:
     total = CHAT_TOKENS_PER_REPLY
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
-        total += CHAT_TOKENS_PER_MESSAGE + text_tokens(_content_text(content))
+        total += CHAT_TOKENS_PER_MESSAGE + text_tokens(content_text(content))
     return total
 
 

@@ -25,7 +25,7 @@ from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import PROFILES
 from specgate.gateway.app import make_app
 from specgate.gateway.config import GatewaySettings
-from specgate.gateway.state import FLEET
+from specgate.gateway.state import FLEET, RELAY
 from specgate.policies.document import PolicyDocument
 from specgate.testing import VLLM_MODEL, cpu_pools, free_port, running_app, sample_value, setup_vllm
 from specgate.workers import launch
@@ -263,6 +263,46 @@ async def test_a_client_that_disconnects_frees_the_real_server(real_pools: RealP
                 break
             await asyncio.sleep(0.1)
         assert await server_gauge(real_pools.plain, "vllm:num_requests_running") == 0.0
+
+
+async def test_the_n_gram_server_s_acceptance_is_predicted_per_request(real_pools: RealPools) -> None:
+    """The n-gram server drafts much of a prompt asking to copy code that repeats and next to nothing
+    of free text; after a few of each through the gateway, it predicts their TPOT apart."""
+    copy = {"model": MODEL, "messages": [{"role": "user", "content": COPY}], "max_tokens": 64, "temperature": 0}
+    free = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story about a dragon."}],
+            "max_tokens": 64, "ignore_eos": True}  # fmt: skip
+    streamed = {"stream": True, "stream_options": {"include_usage": True}}
+    spec = {"x-route-pool": "speculative"}
+    async with gateway(real_pools) as (url, app), aiohttp.ClientSession() as session:
+
+        async def run(body: dict[str, Any]) -> tuple[float, float]:
+            """The TPOT predicted for it, and the TPOT it got (ms)."""
+            async with session.post(f"{url}/v1/chat/completions", json={**body, **streamed}, headers=spec) as r:
+                assert r.status == 200, await r.text()
+                predicted = float(r.headers["x-predicted-tpot-ms"])
+                first, tokens = None, 0
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    elif first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        first = time.monotonic()
+            assert first is not None
+            assert tokens > 1
+            return predicted, (time.monotonic() - first) * 1e3 / (tokens - 1)
+
+        for _ in range(4):
+            await run(copy)
+            await run(free)
+        (copy_predicted, copy_got), (free_predicted, free_got) = await run(copy), await run(free)
+        speedups = app[RELAY].drafts
+    assert copy_got < 0.8 * free_got  # the server does draft the copy, and not the story
+    assert copy_predicted < 0.8 * free_predicted  # and the gateway knows which is which
+    assert len(speedups.counts) == 2
+    # by about as much (the pool's mean would predict them alike)
+    assert 0.5 < (copy_predicted / free_predicted) / (copy_got / free_got) < 2.0
 
 
 async def test_killing_a_server_fails_no_request_that_had_not_started_and_its_stream_goes_on(
