@@ -153,21 +153,20 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path) -> dict
         async with aiohttp.ClientSession() as session:
             await asyncio.gather(*(wait_healthy(s, 600, session) for s in servers))
         config = workdir / "specgate.toml"
-        serve_args, profile_line, profile = ["--port", "0"], "", "the default profile"
+        named, files, profile = "", "", "the default profile"
         if args.calibrate:  # measure these servers first, and route on what was measured
             result = await calibrate([s.spec.url for s in servers], QUICK, PROFILES[DEFAULT_PROFILE], CALIBRATED)
             print(result.report(), file=sys.stderr)
             path = workdir / f"{CALIBRATED}.json"
             path.write_bytes(profile_file.dumps(result.file.profile, result.file.source, datetime.date.today()))
-            serve_args += ["--profile-file", str(path)]
-            profile_line = f'profile = "{CALIBRATED}"\n'
+            named, files = f'profile = "{CALIBRATED}"\n', f'[profiles]\nfiles = ["{path}"]\n'
             profile = f"`{CALIBRATED}`, calibrated from these two servers first (`specgate calibrate --quick`)"
         for policy in args.policies:
             config.write_text(
-                plan.gateway_config() + f'\n[policy]\npolicy = "{policy}"\n{profile_line}[scrape]\ninterval_ms = 100\n'
+                plan.gateway_config() + f'\n[policy]\npolicy = "{policy}"\n{named}[scrape]\ninterval_ms = 100\n{files}'
             )
             log = workdir / f"gateway-{policy}.log"
-            argv = launch.specgate_argv("serve", "--config", str(config), *serve_args)
+            argv = launch.specgate_argv("serve", "--config", str(config), "--port", "0")
             gateway = launch.spawn(argv, log)
             try:
                 url = await launch.wait_ready(gateway, log)
