@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from specgate.calibration.modes import Pool
-from specgate.gateway.config import StoreSettings, Timeouts
+from specgate.gateway.config import Retries, StoreSettings, Timeouts
 from specgate.policies.document import parse
 from specgate.testing import RedisServer, SimProcess, running_app
 from specgate.workers.pools import FleetSettings
@@ -135,7 +135,10 @@ async def send(session: aiohttp.ClientSession, url: str, path: str, body: dict[s
         return f"client saw {exc!r}"
 
 
-async def load(url: str, count: int = 40, concurrency: int = 8, seed: int = 0) -> list[str]:
+LOAD_CONCURRENCY = 8
+
+
+async def load(url: str, count: int = 40, concurrency: int = LOAD_CONCURRENCY, seed: int = 0) -> list[str]:
     gate = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as session:
 
@@ -168,7 +171,14 @@ async def test_a_sick_replica_loses_no_request(
         faulty = FaultyReplica(behind.url, fault, session)
         async with running_app(faulty.app()) as sick:
             pools = {Pool.SPECULATIVE: [sick, healthy[Pool.SPECULATIVE].url], Pool.PLAIN: [healthy[Pool.PLAIN].url]}
-            settings = settings_for(pools, fleet=CHAOS_FLEET, timeouts=Timeouts(first_byte_s=30.0, idle_s=1.0))
+            # A retry budget as large as the load's concurrency: what is tested here is that every failure
+            # is retried elsewhere (the budget that holds a whole fleet's failures back has its own
+            # test below). With the default three, a replica failing only some requests stays in, and
+            # on a slow machine three retries still being answered make the next failure reach its client.
+            settings = settings_for(
+                pools, fleet=CHAOS_FLEET, timeouts=Timeouts(first_byte_s=30.0, idle_s=1.0),
+                retries=Retries(min_retries=LOAD_CONCURRENCY),
+            )  # fmt: skip
             async with running_gateway(settings) as url:
                 outcomes = await load(url)
                 states = await replica_states(url)
