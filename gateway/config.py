@@ -170,6 +170,8 @@ class _Scrape(_Section, frozen=True):
     timeout_ms: Milliseconds = 1000.0
     stale_after_ms: Milliseconds = 2000.0
     eject_after: PositiveInt = 3
+    failure_window: Annotated[int, Meta(ge=2, le=10_000)] = 20
+    eject_failure_share: Annotated[float, Meta(gt=0, le=1)] = 0.5
     base_ejection_ms: Milliseconds = 2000.0
     max_ejection_ms: Milliseconds = 60_000.0
     hang_after_ms: Milliseconds = 20_000.0
@@ -335,6 +337,8 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
             scrape_timeout_s=scrape.timeout_ms / 1e3,
             stale_after_s=scrape.stale_after_ms / 1e3,
             eject_after=scrape.eject_after,
+            failure_window=scrape.failure_window,
+            eject_failure_share=scrape.eject_failure_share,
             base_ejection_s=scrape.base_ejection_ms / 1e3,
             max_ejection_s=scrape.max_ejection_ms / 1e3,
             hang_after_s=scrape.hang_after_ms / 1e3,

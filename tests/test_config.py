@@ -35,11 +35,12 @@ def test_minimal_config_takes_defaults() -> None:
 
 
 def test_values_convert_to_seconds() -> None:
-    doc = with_("scrape", interval_ms=100)
+    doc = with_("scrape", interval_ms=100, failure_window=10, eject_failure_share=0.3)
     doc["timeouts"] = {"first_byte_ms": 1500, "idle_ms": 2000.5}
     doc["policy"] = {"slo": {"default": {"ttft_ms": 300}}}
     s = parse_settings(doc)
     assert s.fleet.scrape_interval_s == pytest.approx(0.1)
+    assert (s.fleet.failure_window, s.fleet.eject_failure_share) == (10, 0.3)
     assert s.timeouts.first_byte_s == pytest.approx(1.5)
     assert s.timeouts.idle_s == pytest.approx(2.0005)
     assert s.policy.slo.default.ttft_ms == 300.0
@@ -55,6 +56,8 @@ def test_values_convert_to_seconds() -> None:
         (with_("server", port=True), "server.port"),
         (with_("server", port=70000), "server.port"),
         (with_("scrape", interval_ms=0), "scrape.interval_ms"),
+        (with_("scrape", eject_failure_share=0), "scrape.eject_failure_share"),
+        (with_("scrape", failure_window=1), "scrape.failure_window"),
         (with_("timeouts", connect_ms=-1), "timeouts.connect_ms"),
         (with_("policy", policy="magic"), "policy.policy"),
         (with_("policy", name="adaptive"), "policy.name"),

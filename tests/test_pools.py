@@ -159,3 +159,23 @@ def test_fleet_names_replicas_by_pool() -> None:
     assert not fleet.any_healthy()
     snapshot = fleet.snapshot(0.0)
     assert [r.pool for r in snapshot.replicas] == [Pool.SPECULATIVE, Pool.SPECULATIVE, Pool.PLAIN]
+
+
+def test_a_replica_failing_a_share_of_its_requests_is_ejected_though_never_three_in_a_row() -> None:
+    r = Replica("plain-0", "http://x", Pool.PLAIN, SETTINGS)
+    r.scraped(load(), 0.0, 0)
+    for _ in range(4):  # one request in two fails: never three in a row
+        r.succeeded(now=0.0)
+        r.failed("5xx", now=0.0)
+    assert r.healthy  # eight requests: too few to judge
+    r.succeeded(now=0.0)
+    r.failed("malformed body", now=0.0)
+    assert not r.healthy  # five of its last ten failed
+    assert r.health.last_reason == "5 of its last 10 requests failed (malformed body)"
+    steady = Replica("plain-1", "http://y", Pool.PLAIN, SETTINGS)
+    steady.scraped(load(), 0.0, 0)
+    for _ in range(40):  # one in four: an unlucky replica, not a sick one
+        for _ in range(3):
+            steady.succeeded(now=0.0)
+        steady.failed("5xx", now=0.0)
+    assert steady.healthy

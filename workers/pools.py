@@ -36,6 +36,10 @@ class FleetSettings:
     """Scraped load older than this is ignored; the gateway's own counts remain."""
     eject_after: int = 3
     """Consecutive failures (requests on the replica's socket, or scrapes) that eject it."""
+    failure_window: int = 20
+    eject_failure_share: float = 0.5
+    """A replica is also ejected when this share of its last `failure_window` requests failed
+    (once it has served at least half that many)."""
     base_ejection_s: float = 2.0
     """How long a first ejection lasts; each repeat lasts twice as long, up to `max_ejection_s`."""
     max_ejection_s: float = 60.0
@@ -78,7 +82,10 @@ class Replica:
         self.url = url.rstrip("/")
         self.pool = pool
         self.settings = settings
-        self.health = Health(name, settings.eject_after, settings.base_ejection_s, settings.max_ejection_s)
+        self.health = Health(
+            name, settings.eject_after, settings.base_ejection_s, settings.max_ejection_s,
+            failure_window=settings.failure_window, eject_failure_share=settings.eject_failure_share,
+        )  # fmt: skip
         self.waiting: set[Callable[[], None]] = set()
         """Callbacks of the attempts still waiting for their first byte here, called if it is
         ejected: they give up on it and go elsewhere."""
