@@ -15,7 +15,7 @@ from msgspec import Meta
 
 from specgate.gateway.errors import BadBody, ModelNotFound
 from specgate.protocol.endpoints import Endpoint
-from specgate.protocol.repetition import repetition, text_repetition
+from specgate.protocol.repetition import TAIL_BYTES, repetition, text_repetition
 from specgate.protocol.tokens import chat_prompt_tokens, completion_prompt_tokens, content_text
 from specgate.validation import invalid
 
@@ -65,7 +65,8 @@ def _prompt_tokens(endpoint: Endpoint, body: _RoutingFields) -> int:
 def _prompt_repetition(endpoint: Endpoint, body: _RoutingFields) -> float:
     """Of a body `_prompt_tokens` has accepted: the repetition of the prompt's end."""
     if endpoint is Endpoint.CHAT:
-        texts = [content_text(m.get("content")) for m in body.messages[-8:] if isinstance(m, dict)]
+        # each message's end only: the joined text is as bounded as what is looked at
+        texts = [content_text(m.get("content"))[-TAIL_BYTES:] for m in body.messages[-8:] if isinstance(m, dict)]
         return text_repetition("\n".join(texts))
     prompt = body.prompt
     if isinstance(prompt, str):

@@ -16,6 +16,7 @@ MAX_WORDS = 512
 """The prompt's tail that is looked at: the work per request is bounded by it."""
 BYTES_PER_WORD = 8
 """Generous for text (English averages about six with its space): the slice split holds the tail."""
+TAIL_BYTES = MAX_WORDS * BYTES_PER_WORD
 
 
 def repetition(units: Sequence[Any]) -> float:
@@ -30,4 +31,4 @@ def repetition(units: Sequence[Any]) -> float:
 
 def text_repetition(text: str) -> float:
     # Split only the end that can count: a multi-megabyte prompt is not split whole.
-    return repetition(text[-MAX_WORDS * BYTES_PER_WORD :].split())
+    return repetition(text[-TAIL_BYTES:].split())
