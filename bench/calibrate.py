@@ -253,6 +253,7 @@ def assemble(
         if target is not None:
             draft = fit_draft(spec, target.model, k)
             spec_profile = replace(spec_profile, draft=draft.cost)
+            steps = draft.target  # with what a verified draft token costs
         else:
             notes.append(f"draft costs from {base.name}: without a plain server they cannot be told from the target's")
         spec_profile = replace(spec_profile, num_speculative_tokens=k, acceptance_mean=min(alpha, 0.99))

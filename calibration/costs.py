@@ -6,7 +6,8 @@ Two interchangeable models stand behind the `StepModel` protocol:
   times at a few batch sizes and two context lengths, prefill time by prompt length) and
   adds the measured CPU overhead per step.
 - `LinearStepModel` evaluates a fitted linear model
-  `base + per_token x batched_tokens + per_kv x kv_tokens` plus a fixed per-step overhead.
+  `base + per_token x batched_tokens + per_kv x kv_tokens` plus a fixed per-step overhead, where a
+  prompt token and a verified draft token may each have a cost of their own.
 
 `DraftCost` prices the draft side of speculative decoding. All times are milliseconds.
 """
@@ -162,15 +163,25 @@ class LinearStepModel:
 
     base_ms: float
     per_token_us: float
+    """A decoding sequence's token; every token when the two below are not given."""
     per_kv_token_ns: float
     step_overhead_ms: float
+    per_prefill_token_us: float | None = None
+    """A prompt token, when it costs differently (on a CPU, attention makes it dearer)."""
+    per_verify_token_us: float | None = None
+    """A draft token verified beside its sequence's own (k per speculative sequence), its
+    drafting included: checked together, like a small prefill, they cost differently."""
 
     def forward_ms(self, batch: Batch) -> float:
         if not batch.num_seqs:
             return 0.0
-        tokens = batch.decode_seqs * batch.query_per_seq + batch.prefill_tokens
+        decoded = batch.decode_seqs
+        verified = batch.decode_seqs * (batch.query_per_seq - 1)
+        prefill = self.per_token_us if self.per_prefill_token_us is None else self.per_prefill_token_us
+        verify = self.per_token_us if self.per_verify_token_us is None else self.per_verify_token_us
+        us = self.per_token_us * decoded + verify * verified + prefill * batch.prefill_tokens
         kv_tokens = batch.decode_seqs * batch.mean_context + batch.prefill_tokens
-        return self.base_ms + self.per_token_us * tokens / 1e3 + self.per_kv_token_ns * kv_tokens / 1e6
+        return self.base_ms + us / 1e3 + self.per_kv_token_ns * kv_tokens / 1e6
 
     def overhead_ms(self, num_seqs: int) -> float:
         return self.step_overhead_ms if num_seqs else 0.0

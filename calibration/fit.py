@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specgate.calibration.costs import Batch, DraftCost, LinearStepModel
 
@@ -116,47 +116,59 @@ class TargetFit:
 
 
 def fit_target(steps: Sequence[Step]) -> TargetFit:
-    """The target model's forward pass: `base + per_token x tokens + per_kv x kv_tokens` (ms),
-    fitted in relative terms (a 5 ms step off by 1 ms matters as much as a 500 ms one off by 100)."""
+    """The target model's forward pass: `base + per_token x decoding sequences + per_prefill x
+    prompt tokens + per_kv x kv_tokens` (ms), fitted in relative terms (a 5 ms step off by 1 ms
+    matters as much as a 500 ms one off by 100). A prompt token has a cost of its own when prompts
+    were measured (on a CPU it is several times a decoding sequence's); else it costs as one."""
     if len(steps) < 3:
         raise ValueError("fitting a step model takes at least three measured steps")
+    prompts = any(s.prefill_tokens for s in steps)
     rows, ys = [], []
     for s in steps:
         b = s.batch
-        tokens = b.decode_seqs * b.query_per_seq + b.prefill_tokens
         kv = b.decode_seqs * b.mean_context + b.prefill_tokens
-        rows.append((1.0, tokens / 1e3, kv / 1e6))
+        decoded = b.decode_seqs * b.query_per_seq
+        rows.append((1.0, decoded / 1e3, kv / 1e6, *((b.prefill_tokens / 1e3,) if prompts else ())))
         ys.append(s.ms)
     fit = least_squares(rows, ys, [1.0 / (y * y) for y in ys])
-    (base, per_token_us, per_kv_ns), (e0, e1, e2) = fit.coefficients, fit.stderrs
-    model = LinearStepModel(base_ms=base, per_token_us=per_token_us, per_kv_token_ns=per_kv_ns, step_overhead_ms=0.0)
-    terms = (Term("step fixed cost (ms)", base, e0), Term("per token (us)", per_token_us, e1),
-             Term("per KV token (ns)", per_kv_ns, e2))  # fmt: skip
-    return TargetFit(model, terms, _relative_errors(steps, lambda s: model.forward_ms(s.batch)))
+    (base, per_token_us, per_kv_ns), (e0, e1, e2) = fit.coefficients[:3], fit.stderrs[:3]
+    terms = [Term("step fixed cost (ms)", base, e0), Term("per decoding sequence (us)", per_token_us, e1),
+             Term("per KV token (ns)", per_kv_ns, e2)]  # fmt: skip
+    per_prefill_us = None
+    if prompts:
+        per_prefill_us = fit.coefficients[3]
+        terms.append(Term("per prompt token (us)", per_prefill_us, fit.stderrs[3]))
+    model = LinearStepModel(base, per_token_us, per_kv_ns, 0.0, per_prefill_token_us=per_prefill_us)
+    return TargetFit(model, tuple(terms), _relative_errors(steps, lambda s: model.forward_ms(s.batch)))
 
 
 @dataclass(frozen=True)
 class DraftFit:
     cost: DraftCost
+    target: LinearStepModel
+    """The target's model with what a verified draft token costs, drafting included."""
     terms: tuple[Term, ...]
     errors: dict[str, float]
     """RMS relative error of the speculative steps (target plus draft) against the measurements."""
 
 
 def fit_draft(steps: Sequence[Step], target: LinearStepModel, k: int) -> DraftFit:
-    """The draft's cost per step and per prompt: what a speculative server's steps take beyond
-    the target's forward pass over the same batch (k+1 tokens verified per sequence)."""
+    """What a speculative server's steps take beyond the target's forward pass over its
+    sequences' own tokens: a fixed cost per step (the proposer's), a cost per draft token verified
+    (the draft's passes and the verification together: both grow with the sequences times k, so
+    they cannot be told apart and need not be), and the draft's cost per prompt."""
     decode = [s for s in steps if s.decode_seqs]
     prefill = [s for s in steps if not s.decode_seqs and s.prefill_tokens]
     cost = DraftCost()
     terms: list[Term] = []
     if decode:
-        rows = [(1.0, s.decode_seqs * k / 1e3) for s in decode]
-        ys = [s.ms - target.forward_ms(s.batch) for s in decode]
+        rows = [(1.0, s.decode_seqs * (s.query_per_seq - 1) / 1e3) for s in decode]
+        ys = [s.ms - target.forward_ms(replace(s.batch, query_per_seq=1)) for s in decode]
         fit = least_squares(rows, ys, [1.0 / (s.ms * s.ms) for s in decode])
-        (fixed, per_seq_us), (e0, e1) = fit.coefficients, fit.stderrs
-        cost = DraftCost(step_fixed_ms=fixed, pass_per_seq_us=per_seq_us)
-        terms += [Term("draft per step (ms)", fixed, e0), Term("draft per sequence per pass (us)", per_seq_us, e1)]
+        (fixed, per_verified_us), (e0, e1) = fit.coefficients, fit.stderrs
+        cost = DraftCost(step_fixed_ms=fixed)
+        target = replace(target, per_verify_token_us=per_verified_us)
+        terms += [Term("draft per step (ms)", fixed, e0), Term("per draft token verified (us)", per_verified_us, e1)]
     if prefill:
         rows = [(1.0, s.prefill_tokens / 1e3) for s in prefill]
         # The prompt's sequence drafts in its step too (vLLM drafts for it as it joins the batch).
@@ -172,7 +184,7 @@ def fit_draft(steps: Sequence[Step], target: LinearStepModel, k: int) -> DraftFi
         draft = cost.step_ms(k, drafting, drafting * s.mean_context) + cost.prefill_ms(s.prefill_tokens)
         return target.forward_ms(s.batch) + draft
 
-    return DraftFit(cost, tuple(terms), _relative_errors([*decode, *prefill], predict))
+    return DraftFit(cost, target, tuple(terms), _relative_errors([*decode, *prefill], predict))
 
 
 def acceptance_from_tokens_per_step(tokens_per_step: float, k: int) -> float:

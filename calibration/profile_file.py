@@ -42,11 +42,15 @@ class _Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="table
     overhead: Linear
 
 
-class _Linear(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="linear", tag_field="kind"):
+class _Linear(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, tag="linear", tag_field="kind"
+):
     base_ms: Annotated[float, Meta(ge=0)]
     per_token_us: Annotated[float, Meta(ge=0)]
     per_kv_token_ns: Annotated[float, Meta(ge=0)]
     step_overhead_ms: Annotated[float, Meta(ge=0)]
+    per_prefill_token_us: Annotated[float, Meta(ge=0)] | None = None
+    per_verify_token_us: Annotated[float, Meta(ge=0)] | None = None
 
 
 class _Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -121,7 +125,10 @@ def loads(raw: bytes, path: Path | None = None) -> ProfileFile:
                 steps.decode, steps.verify, steps.verify_query, steps.prefill, steps.weight_read_ms, steps.overhead
             )
         else:
-            model = LinearStepModel(steps.base_ms, steps.per_token_us, steps.per_kv_token_ns, steps.step_overhead_ms)
+            model = LinearStepModel(
+                steps.base_ms, steps.per_token_us, steps.per_kv_token_ns, steps.step_overhead_ms,
+                steps.per_prefill_token_us, steps.per_verify_token_us,
+            )  # fmt: skip
         profile = Profile(
             p.name, p.title, p.model, p.hardware, model, p.kv_capacity_tokens, p.spec, p.max_model_len,
             p.sources, p.notes,

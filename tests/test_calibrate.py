@@ -50,6 +50,7 @@ def test_the_fit_recovers_the_costs_that_made_the_steps() -> None:
     target = fit_target(steps)
     assert target.model.base_ms == pytest.approx(9.0, rel=1e-6)
     assert target.model.per_token_us == pytest.approx(35.0, rel=1e-6)
+    assert target.model.per_prefill_token_us == pytest.approx(35.0, rel=1e-6)
     assert target.model.per_kv_token_ns == pytest.approx(60.0, rel=1e-6)
     assert max(target.errors.values()) < 1e-9
 
@@ -63,9 +64,12 @@ def test_the_fit_recovers_the_costs_that_made_the_steps() -> None:
         spec.append(Step("prefill", 0, 1, 0, p, ms))
     draft = fit_draft(spec, target.model, k)
     assert draft.cost.step_fixed_ms == pytest.approx(2.0, rel=1e-6)
-    assert draft.cost.pass_per_seq_us == pytest.approx(40.0, rel=1e-6)
-    assert draft.cost.prefill_fixed_ms == pytest.approx(1.0, rel=1e-6)
+    # a verified token: the target's 35 us and the draft's 40 us a pass (one pass a draft token)
+    assert draft.target.per_verify_token_us == pytest.approx(75.0, rel=1e-6)
+    # and the draft's k passes for a prompt's sequence as it joins, now a fixed cost of its prefill
+    assert draft.cost.prefill_fixed_ms == pytest.approx(1.0 + k * 0.040, rel=1e-6)
     assert draft.cost.prefill_per_token_us == pytest.approx(5.0, rel=1e-6)
+    assert max(draft.errors.values()) < 1e-9
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.8, 0.95])
@@ -118,3 +122,31 @@ def test_the_command_refuses_what_it_cannot_do(tmp_path: Path, capsys: pytest.Ca
     assert main(["calibrate", "--url", "http://127.0.0.1:9", "--out", str(out), "--quick"]) == 1
     assert "is not a vLLM server that answers" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_prompt_and_verified_tokens_get_costs_of_their_own() -> None:
+    """A CPU's steps: a decoding sequence 0.9 ms, a prompt token 0.9 ms, a verified draft token
+    0.35 ms (numbers of this machine's vLLM servers): one cost per token cannot price all three;
+    three are recovered."""
+    truth = LinearStepModel(15.0, 900.0, 2000.0, 0.0, per_prefill_token_us=900.0, per_verify_token_us=350.0)
+    cheap_prompts = replace(truth, per_prefill_token_us=300.0)
+    for model in (truth, cheap_prompts):
+        steps = [_step("prefill", 0, 1, 0, p, model) for p in (32, 256, 1024)]
+        steps += [_step("decode", b, 1, c, 0, model) for b in (1, 4, 8) for c in (44, 524)]
+        target = fit_target(steps)
+        assert target.model.per_prefill_token_us == pytest.approx(model.per_prefill_token_us, rel=1e-6)
+        spec = [_step("decode", b, 6, c, 0, model) for b in (1, 4, 8) for c in (44, 524)]
+        draft = fit_draft(spec, target.model, 5)
+        assert draft.target.per_verify_token_us == pytest.approx(350.0, rel=1e-6)
+        assert max(draft.errors.values()) < 1e-9
+    plain_only = fit_target([_step("decode", b, 1, 100, 0, truth) for b in (1, 4, 8)])
+    assert plain_only.model.per_prefill_token_us is None  # no prompt measured: priced as a decoding token
+
+
+def test_a_profile_file_keeps_the_costs_per_kind_of_token(tmp_path: Path) -> None:
+    steps = LinearStepModel(15.0, 900.0, 2000.0, 0.5, per_prefill_token_us=700.0, per_verify_token_us=350.0)
+    profile = replace(ODD, name="per-kind", steps=steps)
+    raw = profile_file.dumps(profile, "test", datetime.date(2026, 12, 1))
+    assert profile_file.loads(raw).profile.steps == steps
+    plain = replace(ODD, name="one-kind")  # a model without them writes no such fields
+    assert b"per_verify_token_us" not in profile_file.dumps(plain, "test", datetime.date(2026, 12, 1))
