@@ -119,7 +119,7 @@ def fit_target(steps: Sequence[Step]) -> TargetFit:
     """The target model's forward pass: `base + per_token x decoding sequences + per_prefill x
     prompt tokens + per_kv x kv_tokens` (ms), fitted in relative terms (a 5 ms step off by 1 ms
     matters as much as a 500 ms one off by 100). A prompt token has a cost of its own when prompts
-    were measured (on a CPU it is several times a decoding sequence's); else it costs as one."""
+    were measured (on a CPU, attention makes it dearer as the prompt grows); else it costs as one."""
     if len(steps) < 3:
         raise ValueError("fitting a step model takes at least three measured steps")
     prompts = any(s.prefill_tokens for s in steps)
