@@ -21,6 +21,8 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from specgate.policies.means import GroupMeans, running_mean
+
 REPETITION_EDGES = (0.05, 0.2, 0.45)
 """Bands of prompt repetition: free text, a little, much, mostly repeated."""
 SMOOTHING = 0.1
@@ -41,8 +43,7 @@ def group(model: str, endpoint: str, request_class: str, repetition: float) -> G
 class DraftStats:
     """Mutable, owned by whoever routes; read by `speedup`."""
 
-    means: dict[Group, float] = field(default_factory=dict)
-    counts: dict[Group, int] = field(default_factory=dict)
+    groups: GroupMeans[Group] = field(default_factory=lambda: GroupMeans(SMOOTHING, MAX_GROUPS))
     overall: float | None = None
     """The smoothed mean over every group: what a request at the pool's mean acceptance gets."""
     observed: int = 0
@@ -55,20 +56,12 @@ class DraftStats:
         # The TPOT it would have been predicted at the pool's mean acceptance, over what it was.
         gain = math.log(predicted_tpot_s * speedup_used / observed_tpot_s)
         self.observed += 1
-        # A plain mean while few are known, then a smoothed one that follows drift (as per group).
-        weight = max(1.0 / self.observed, SMOOTHING)
-        self.overall = gain if self.overall is None else self.overall + weight * (gain - self.overall)
-        if key not in self.counts and len(self.counts) >= MAX_GROUPS:
-            return
-        n = self.counts.get(key, 0) + 1
-        self.counts[key] = n
-        old = self.means.get(key)
-        weight = max(1.0 / n, SMOOTHING)
-        self.means[key] = gain if old is None else old + weight * (gain - old)
+        self.overall = running_mean(self.overall, gain, self.observed, SMOOTHING)
+        self.groups.observe(key, gain)
 
     def speedup(self, key: Group) -> float:
         """The factor on the pool's tokens per step for a request of group `key`: 1 until known."""
-        mean = self.means.get(key)
-        if mean is None or self.overall is None or self.counts.get(key, 0) < MIN_OBSERVATIONS:
+        mean = self.groups.means.get(key)
+        if mean is None or self.overall is None or self.groups.counts.get(key, 0) < MIN_OBSERVATIONS:
             return 1.0
         return min(max(math.exp(mean - self.overall), 1.0 / MAX_SPEEDUP), MAX_SPEEDUP)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from specgate.policies.means import GroupMeans
+
 BAND_EDGES = (256, 1024, 4096)
 """Prompt-size bands: under 256 tokens, 256-1023, 1024-4095, 4096 and more."""
 PRIORS = (200, 200, 150, 60)
@@ -33,19 +35,10 @@ def band(prompt_tokens: int) -> int:
 class LengthStats:
     """Mutable, owned by whoever routes (the gateway, the offline simulator); read by `expected`."""
 
-    means: dict[tuple[str, int, str], float] = field(default_factory=dict)
-    counts: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    groups: GroupMeans[tuple[str, int, str]] = field(default_factory=lambda: GroupMeans(SMOOTHING, MAX_GROUPS))
 
     def observe(self, model: str, prompt_tokens: int, output_tokens: int, request_class: str = "") -> None:
-        key = (model, band(prompt_tokens), request_class)
-        if key not in self.counts and len(self.counts) >= MAX_GROUPS:
-            return
-        n = self.counts.get(key, 0) + 1
-        self.counts[key] = n
-        old = self.means.get(key)
-        # A plain mean while few lengths are known, then a smoothed one that follows drift.
-        weight = max(1.0 / n, SMOOTHING)
-        self.means[key] = output_tokens if old is None else old + weight * (output_tokens - old)
+        self.groups.observe((model, band(prompt_tokens), request_class), output_tokens)
 
     def expected(
         self,
@@ -60,7 +53,7 @@ class LengthStats:
             estimate = float(hint)
         else:
             b = band(prompt_tokens)
-            estimate = self.means.get((model, b, request_class), float(PRIORS[b]))
+            estimate = self.groups.means.get((model, b, request_class), float(PRIORS[b]))
         if max_tokens is not None:
             estimate = min(estimate, max_tokens)
         return max(round(estimate), 1)

@@ -103,14 +103,14 @@ def test_a_group_is_used_once_seen_enough_and_within_bounds() -> None:
     assert stats.speedup(key) == MAX_SPEEDUP
     stats.observe(key, 0.0, 1.0, 0.03)  # nonsense is ignored
     stats.observe(key, 0.03, 1.0, -1.0)
-    assert stats.counts[key] == MIN_OBSERVATIONS
+    assert stats.groups.counts[key] == MIN_OBSERVATIONS
 
 
 def test_groups_are_bounded() -> None:
     stats = DraftStats()
     for i in range(MAX_GROUPS + 10):
         stats.observe(group("m", "e", f"class-{i}", 0.0), 0.03, 1.0, 0.03)
-    assert len(stats.counts) == MAX_GROUPS
+    assert len(stats.groups.counts) == MAX_GROUPS
 
 
 @pytest.mark.parametrize("profile", [A100_CODELLAMA_34B, H100_LLAMA31_8B], ids=lambda p: p.name)

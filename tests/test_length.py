@@ -47,7 +47,7 @@ def test_a_client_inventing_classes_cannot_grow_the_learned_groups_without_end()
     stats.observe("m", 100, 40, "chat")
     for i in range(MAX_GROUPS + 500):
         stats.observe("m", 100, 900, f"class-{i}")
-    assert len(stats.means) == len(stats.counts) == MAX_GROUPS
+    assert len(stats.groups.means) == len(stats.groups.counts) == MAX_GROUPS
     # The groups known before still learn; a new one gets its band's prior.
     stats.observe("m", 100, 60, "chat")
     assert stats.expected("m", 100, request_class="chat") == 50

@@ -300,7 +300,7 @@ async def test_the_n_gram_server_s_acceptance_is_predicted_per_request(real_pool
         speedups = app[RELAY].drafts
     assert copy_got < 0.8 * free_got  # the server does draft the copy, and not the story
     assert copy_predicted < 0.8 * free_predicted  # and the gateway knows which is which
-    assert len(speedups.counts) == 2
+    assert len(speedups.groups.counts) == 2
     # by about as much (the pool's mean would predict them alike)
     assert 0.5 < (copy_predicted / free_predicted) / (copy_got / free_got) < 2.0
 
