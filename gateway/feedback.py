@@ -17,7 +17,7 @@ from specgate.gateway.attempt import Attempt
 from specgate.gateway.errors import GatewayError
 from specgate.gateway.journey import Journey
 from specgate.gateway.metrics import GatewayMetrics
-from specgate.policies.drafts import DraftStats, group
+from specgate.policies.drafts import DraftStats
 from specgate.policies.length import LengthStats
 
 ACCESS_LOG = logging.getLogger("specgate.access")
@@ -44,11 +44,10 @@ class Feedback:
                 features.model, features.prompt_tokens, outcome.completion_tokens, headers.request_class
             )
         if outcome.streamed:
-            replica.observe(outcome.ttft_s, outcome.tpot_s, *decision.predicted_s)
-            predicted_tpot_s = decision.predicted_s[1]
+            predicted_ttft_s, predicted_tpot_s = decision.predicted_s
+            replica.observe(outcome.ttft_s, outcome.tpot_s, predicted_ttft_s, predicted_tpot_s)
             if replica.pool is Pool.SPECULATIVE and outcome.tpot_s is not None and predicted_tpot_s is not None:
-                key = group(features.model, journey.endpoint.value, headers.request_class, journey.fields.repetition)
-                self.drafts.observe(key, predicted_tpot_s, features.draft_speedup, outcome.tpot_s)
+                self.drafts.observe(journey.draft_group, predicted_tpot_s, features.draft_speedup, outcome.tpot_s)
             if outcome.ttft_s is not None:
                 self.metrics.ttft.labels(pool).observe(outcome.ttft_s)
                 if decision.predicted_ttft_ms is not None:

@@ -15,6 +15,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from specgate.gateway.body import BodyFields
 from specgate.gateway.sla import REQUEST_ID, RoutingHeaders
+from specgate.policies.drafts import Group
 from specgate.policies.features import RequestFeatures
 from specgate.policies.registry import RoutingPlan
 from specgate.protocol.endpoints import Endpoint
@@ -39,6 +40,8 @@ class Journey:
     features: RequestFeatures
     plan: RoutingPlan
     upstream_headers: CIMultiDict[str]
+    draft_group: Group
+    """The group whose speedup on speculative replicas it was predicted at, and teaches (`policies/drafts.py`)."""
     arrived: float = field(default_factory=time.monotonic)
     tried: list[str] = field(default_factory=list)
     """Names of the replicas tried so far, in order."""

@@ -161,6 +161,7 @@ class Relay:
         fields = parse_body(raw, endpoint, self.settings.models)
         plan = self.plans.plan
         headers = parse_routing_headers(request.headers, plan.slo_for)
+        draft_group = group(fields.model, endpoint.value, headers.request_class, fields.repetition)
         features = RequestFeatures(
             model=fields.model,
             stream=fields.stream,
@@ -179,14 +180,12 @@ class Relay:
             priority=headers.priority,
             sequence=next(self._sequence),
             output_hinted=headers.expected_output_tokens is not None,
-            draft_speedup=self.drafts.speedup(
-                group(fields.model, endpoint.value, headers.request_class, fields.repetition)
-            ),
+            draft_speedup=self.drafts.speedup(draft_group),
         )
         forwarded = upstream_headers(
             request, headers.request_id, forward_authorization=self.settings.forward_authorization
         )
-        return Journey(request, endpoint, raw, fields, headers, features, plan, forwarded)
+        return Journey(request, endpoint, raw, fields, headers, features, plan, forwarded, draft_group)
 
     async def _route(self, journey: Journey) -> web.StreamResponse:
         route = _Route()
