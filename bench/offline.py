@@ -276,7 +276,10 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         request_id = f"r{index}"
         routed[request_id] = (request, name, verdict, now - request.arrival_s)
         output = min(request.output_tokens, max_tokens(profile, request.prompt_tokens))
-        sims[name].engine.add_request(request_id, request.prompt_tokens, output, arrival=now)
+        # The request accepts drafts as its content does, wherever it goes: every policy and every
+        # split is measured on the same draws.
+        seed = f"{scenario.seed}:{index}"
+        sims[name].engine.add_request(request_id, request.prompt_tokens, output, arrival=now, seed=seed)
         if not sims[name].busy:
             start_step(name)
 

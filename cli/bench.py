@@ -19,6 +19,7 @@ from specgate.cli.arguments import Subcommands, common_options, float_list, posi
 
 MODULE_BENCHMARKS = {
     "fidelity": ("specgate.bench.fidelity", "the simulated replica against its sources (docs/fidelity.md)"),
+    "cpu-fidelity": ("specgate.bench.cpu_fidelity", "calibrated simulation vs real CPU vLLM (docs/fidelity.md)"),
     "overhead": ("specgate.bench.overhead", "what the gateway adds over a direct path (docs/overhead.md)"),
     "policy-reload": ("specgate.bench.policy_reload", "policy changes reaching two gateways (docs/policy_reload.md)"),
     "real-vllm": ("specgate.bench.real_vllm", "the policies against real vLLM on this CPU (docs/real_vllm.md)"),

@@ -70,6 +70,9 @@ class _Seq:
     alpha: float
     arrival: float
     max_tokens: int | None
+    rng: random.Random
+    """The request's own draws (its acceptance, step by step): what a request accepts is a property
+    of its content, not of the order in which a replica happens to serve it."""
     num_computed: int = 0
     output_tokens: int = 0
     blocks: int = 0
@@ -170,8 +173,11 @@ class Engine:
         arrival: float | None = None,
         max_tokens: int | None = None,
         alpha: float | None = None,
+        seed: str | None = None,
     ) -> None:
-        """Queue a request that will generate exactly `output_tokens` tokens, then finish."""
+        """Queue a request that will generate exactly `output_tokens` tokens, then finish. With a
+        `seed`, its acceptance draws are the same on any replica whatever else it serves (the
+        offline benchmark compares policies on the same requests so); else the replica draws it."""
         if request_id in self._by_id:
             raise ValueError(f"duplicate request id {request_id!r}")
         if prompt_tokens < 1 or output_tokens < 1:
@@ -181,14 +187,16 @@ class Engine:
         arrival = self.now if arrival is None else arrival
         if not self.has_work():
             self.advance_to(arrival)
+        rng = random.Random(self._rng.random() if seed is None else seed)
         seq = _Seq(
             request_id=request_id,
             prompt_tokens=prompt_tokens,
             output_target=output_tokens,
             finish_reason=finish_reason,
-            alpha=self._draw_alpha() if alpha is None else alpha,
+            alpha=self._draw_alpha(rng) if alpha is None else alpha,
             arrival=arrival,
             max_tokens=max_tokens,
+            rng=rng,
         )
         self._waiting.append(seq)
         self._by_id[request_id] = seq
@@ -297,15 +305,15 @@ class Engine:
 
     # --- results ----------------------------------------------------------------------------
 
-    def _draw_alpha(self) -> float:
+    def _draw_alpha(self, rng: random.Random) -> float:
         mean, conc = self.acceptance_mean, self.acceptance_concentration
         if not self.speculative or conc <= 0 or mean <= 0:
             return mean
-        return self._rng.betavariate(mean * conc, (1 - mean) * conc)
+        return rng.betavariate(mean * conc, (1 - mean) * conc)
 
-    def _accepted(self, alpha: float) -> int:
+    def _accepted(self, seq: _Seq) -> int:
         accepted = 0
-        while accepted < self.k and self._rng.random() < alpha:
+        while accepted < self.k and seq.rng.random() < seq.alpha:
             accepted += 1
         return accepted
 
@@ -332,7 +340,7 @@ class Engine:
         emitted: list[tuple[_Seq, int]] = []
         for seq, _ in decodes:
             if self.speculative:
-                accepted = self._accepted(seq.alpha)
+                accepted = self._accepted(seq)
                 drafts += 1
                 draft_tokens += self.k
                 accepted_total += accepted

@@ -264,3 +264,25 @@ def test_engine_invariants_under_random_load(
             assert emitted[rid] < output
         else:
             assert emitted[rid] == output
+
+
+def test_a_seeded_request_accepts_the_same_wherever_it_runs_and_beside_whatever() -> None:
+    """What a request accepts is its content's: the offline benchmark seeds it per request, so that
+    two policies that route it differently compare on the same draws."""
+
+    def steps_of(engine: Engine, request_id: str) -> list[int]:
+        tokens = []
+        for step in drain(engine):
+            tokens += [o.new_tokens for o in step.outputs if o.request_id == request_id and not o.first]
+        return tokens
+
+    alone = Engine(H100_LLAMA31_8B, Pool.SPECULATIVE, seed=1)
+    alone.add_request("mine", 300, 60, arrival=0.0, seed="0:17")
+    crowded = Engine(H100_LLAMA31_8B, Pool.SPECULATIVE, seed=2)
+    for i in range(8):
+        crowded.add_request(f"other-{i}", 200 + i, 80, arrival=0.0)
+    crowded.add_request("mine", 300, 60, arrival=0.0, seed="0:17")
+    assert steps_of(alone, "mine") == steps_of(crowded, "mine")
+    other = Engine(H100_LLAMA31_8B, Pool.SPECULATIVE, seed=1)
+    other.add_request("mine", 300, 60, arrival=0.0, seed="0:18")
+    assert steps_of(other, "mine") != steps_of(alone, "mine")

@@ -179,3 +179,24 @@ def test_a_replica_failing_a_share_of_its_requests_is_ejected_though_never_three
             steady.succeeded(now=0.0)
         steady.failed("5xx", now=0.0)
     assert steady.healthy
+
+
+def test_a_burst_of_prompts_shows_in_the_rate_at_once_and_a_steady_stream_as_it_is() -> None:
+    settings = FleetSettings(rate_window_s=10.0, burst_window_s=2.0)
+    steady = Replica("plain-0", "http://x", Pool.PLAIN, settings)
+    for i in range(600):  # 2 prompts of 1,000 tokens a second for five minutes
+        steady.dispatched_one(1000, now=i * 0.5)
+    prompts, tokens = steady.prompt_rates(300.0)
+    assert prompts == pytest.approx(2.0, rel=0.1)
+    assert tokens == pytest.approx(2000.0, rel=0.1)
+    burst = Replica("plain-1", "http://y", Pool.PLAIN, settings)
+    slow = Replica("plain-2", "http://z", Pool.PLAIN, FleetSettings(rate_window_s=10.0, burst_window_s=10.0))
+    for i in range(20):  # 20 prompts in one second, after nothing
+        burst.dispatched_one(1000, now=100.0 + i * 0.05)
+        slow.dispatched_one(1000, now=100.0 + i * 0.05)
+    prompts, tokens = burst.prompt_rates(101.0)
+    assert slow.prompt_rates(101.0)[0] < 2.0  # the ten-second window alone would lag far behind
+    assert prompts > 7.0
+    assert tokens == pytest.approx(prompts * 1000)
+    quiet, _ = burst.prompt_rates(131.0)  # half a minute later, the burst has all but faded
+    assert quiet < 0.2

@@ -50,9 +50,35 @@ class FleetSettings:
     correction_smoothing: float = 0.05
     """Weight of the newest observed/predicted ratio in the latency model's per-replica correction."""
     rate_window_s: float = 10.0
-    """Time constant of the smoothed rate of prompt tokens sent to each replica."""
+    """Time constant of the smoothed rate of prompts (and their tokens) sent to each replica."""
+    burst_window_s: float = 2.0
+    """A shorter one: when prompts come faster over it (a burst), its rate is the one used."""
     acceptance_window_drafts: float = 2000.0
     """How many recent drafts the speculative pool's acceptance is estimated from."""
+
+
+@dataclass
+class _Rate:
+    """Prompts and their tokens sent to a replica: counts that decay with a time constant."""
+
+    window_s: float
+    prompts: float = 0.0
+    tokens: float = 0.0
+    at: float = 0.0
+
+    def add(self, tokens: int, now: float) -> None:
+        decay = self.decay(now)
+        self.prompts = self.prompts * decay + 1.0
+        self.tokens = self.tokens * decay + tokens
+        self.at = now
+
+    def decay(self, now: float) -> float:
+        return math.exp(-max(now - self.at, 0.0) / self.window_s)
+
+    def per_s(self, now: float) -> tuple[float, float]:
+        """Prompts and prompt tokens per second."""
+        scale = self.decay(now) / self.window_s
+        return self.prompts * scale, self.tokens * scale
 
 
 def _ewma(old: float | None, new: float, weight: float) -> float:
@@ -107,9 +133,7 @@ class Replica:
         self.observed_tpot_s: float | None = None
         self.ttft_correction = 1.0
         self.tpot_correction = 1.0
-        self._prefill_rate_sum = 0.0
-        self._arrival_rate_sum = 0.0
-        self._prefill_rate_at = 0.0
+        self._rates = (_Rate(self.settings.rate_window_s), _Rate(self.settings.burst_window_s))
         self._dispatched_at_scrape = 0
         self._last_spec: SpecCounters | None = None
         self._progress: tuple[float, float] = (-1.0, 0.0)
@@ -128,13 +152,13 @@ class Replica:
         self.prefilling += 1
         self.prefill_tokens += prompt_tokens
         if now is not None:
-            decay = self._decay(now)
-            self._prefill_rate_sum = self._prefill_rate_sum * decay + prompt_tokens
-            self._arrival_rate_sum = self._arrival_rate_sum * decay + 1.0
-            self._prefill_rate_at = now
+            for rate in self._rates:
+                rate.add(prompt_tokens, now)
 
-    def _decay(self, now: float) -> float:
-        return math.exp(-max(now - self._prefill_rate_at, 0.0) / self.settings.rate_window_s)
+    def prompt_rates(self, now: float) -> tuple[float, float]:
+        """Prompts and prompt tokens sent per second lately: over the longer window, or over the
+        shorter one when it sees more tokens (a burst, which the longer one is slow to follow)."""
+        return max((r.per_s(now) for r in self._rates), key=lambda rates: rates[1])
 
     def first_byte(self, prompt_tokens: int = 0) -> None:
         self.prefilling -= 1
@@ -233,7 +257,7 @@ class Replica:
         tokens_per_step: float | None = None,
     ) -> ReplicaState:
         load = self.load
-        decay = self._decay(now)
+        arrivals_per_s, prefill_tokens_per_s = self.prompt_rates(now)
         age = (now - self.scraped_at) if self.scraped_at is not None else None
         fresh = load is not None and age is not None and age <= self.settings.stale_after_s
         return ReplicaState(
@@ -244,8 +268,8 @@ class Replica:
             in_flight=self.in_flight,
             prefilling=self.prefilling,
             prefill_tokens=self.prefill_tokens,
-            prefill_tokens_per_s=self._prefill_rate_sum * decay / self.settings.rate_window_s,
-            arrivals_per_s=self._arrival_rate_sum * decay / self.settings.rate_window_s,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            arrivals_per_s=arrivals_per_s,
             dispatched_since_scrape=self.dispatched - self._dispatched_at_scrape,
             running=load.running if fresh and load else None,
             waiting=load.waiting if fresh and load else None,

@@ -1,0 +1,188 @@
+"""The simulated replica against the real CPU vLLM servers it was calibrated on.
+
+    specgate bench cpu-fidelity [--sweep full|quick] [--concurrency 1,2,4,8] [--prompt-tokens 256]
+                                [--output-tokens 32] [--rounds 3] [--out docs/bench/cpu-fidelity]
+
+Starts one n-gram speculative and one plain vLLM server of SmolLM2-135M-Instruct on this CPU
+(scripts/setup-vllm), calibrates them (`specgate calibrate`), and measures each at every
+concurrency: that many requests sent at once, prompts of random token ids of one length (as the
+calibration's: nothing for n-gram speculation to copy), a fixed answer length (`ignore_eos`),
+several rounds; TTFT and TPOT are the medians over the requests, as the client sees them. Then the
+servers stop, a `specgate sim` per server runs the calibrated profile in real time, and it is
+measured the same way. The figures go to DIR/results.json, and `specgate bench fidelity` renders
+them into docs/fidelity.md (it is rewritten here too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import random
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+
+from specgate.bench import fidelity
+from specgate.bench.calibrate import FULL, QUICK, Server, calibrate, one, probe, progress_bar
+from specgate.calibration import profile_file
+from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
+from specgate.testing import cpu_pools, setup_vllm
+from specgate.workers import launch
+from specgate.workers.vllm_launch import start, stop, wait_healthy
+
+PROFILE_NAME = "cpu-smollm2"
+TOLERANCE = 0.2
+"""How far the simulated replica may be from the real server: the issue's bar, ±20%."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    prompt_tokens: int = 256
+    output_tokens: int = 32
+    rounds: int = 3
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Point:
+    mode: str
+    """speculative or plain."""
+    clients: int
+    ttft_ms: float
+    tpot_ms: float
+
+
+async def load_point(
+    session: aiohttp.ClientSession, server: Server, clients: int, prompt_tokens: int, output_tokens: int,
+    rounds: int, rng: random.Random,
+) -> tuple[float, float]:  # fmt: skip
+    """Median TTFT and TPOT (ms) of `clients` requests sent at once, over `rounds` rounds."""
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    for _ in range(rounds):
+        prompts = [[rng.randrange(1000, 9000) for _ in range(prompt_tokens)] for _ in range(clients)]
+        for t in await asyncio.gather(*(one(session, server, p, output_tokens) for p in prompts)):
+            ttfts.append(t.ttft_s * 1e3)
+            tpots.append((t.events[-1] - t.events[0]) * 1e3 / max(output_tokens - 1, 1))
+    return statistics.median(ttfts), statistics.median(tpots)
+
+
+async def measure(urls: Sequence[str], work: Workload, mode_of: dict[str, str]) -> list[Point]:
+    """Every server at every concurrency of `work`, one after the other."""
+    rng = random.Random(work.seed)
+    points = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        for url in urls:
+            server = await probe(session, url)
+            await load_point(session, server, 2, work.prompt_tokens, work.output_tokens, 1, rng)  # warm it
+            for clients in work.concurrency:
+                ttft, tpot = await load_point(
+                    session, server, clients, work.prompt_tokens, work.output_tokens, work.rounds, rng
+                )
+                points.append(Point(mode_of[url], clients, ttft, tpot))
+                print(f"cpu-fidelity: {url} ({mode_of[url]}) x{clients}: TTFT {ttft:.1f} ms, TPOT {tpot:.1f} ms",
+                      file=sys.stderr)  # fmt: skip
+    return points
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
+    work = Workload(tuple(args.concurrency), args.prompt_tokens, args.output_tokens, args.rounds, args.seed)
+    python, model = setup_vllm()
+    plan = cpu_pools(python, model, workdir)
+    servers = start(plan)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(wait_healthy(s, 600, session) for s in servers))
+        urls = [s.spec.url for s in servers]
+        mode_of = {s.spec.url: s.spec.pool.value for s in servers}
+        sweep = QUICK if args.sweep == "quick" else FULL
+        result = await calibrate(urls, sweep, PROFILES[DEFAULT_PROFILE], PROFILE_NAME, progress=progress_bar)
+        print(file=sys.stderr)
+        print(result.report(), file=sys.stderr)
+        real = await measure(urls, work, mode_of)
+    finally:
+        await stop(servers)
+    path = workdir / f"{PROFILE_NAME}.json"
+    path.write_bytes(profile_file.dumps(result.file.profile, result.file.source, datetime.date.today()))
+    simulated: list[Point] = []
+    for mode in dict.fromkeys(mode_of.values()):
+        log = workdir / f"sim-{mode}.log"
+        sim = launch.spawn(launch.sim_argv("--profile-file", str(path), "--mode", mode, "--seed", str(args.seed)), log)
+        try:
+            url = await launch.wait_ready(sim, log)
+            simulated += await measure([url], work, {url: mode})
+        finally:
+            await launch.terminate(sim)
+    return {
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "rounds": args.rounds,
+        "sweep": args.sweep,
+        "calibration": result.report(),
+        "profile": json.loads(path.read_bytes()),
+        "real": [asdict(p) for p in real],
+        "simulated": [asdict(p) for p in simulated],
+    }
+
+
+def rows(results: dict[str, object]) -> list[dict[str, object]]:
+    """Per mode and concurrency: real and simulated TTFT and TPOT, and the simulation's deviation."""
+    real = {(p["mode"], p["clients"]): p for p in results["real"]}  # type: ignore[attr-defined]
+    out = []
+    for s in results["simulated"]:  # type: ignore[attr-defined]
+        r = real.get((s["mode"], s["clients"]))
+        if r is None:
+            continue
+        out.append(
+            {
+                "mode": s["mode"],
+                "clients": s["clients"],
+                "ttft_real_ms": r["ttft_ms"],
+                "ttft_sim_ms": s["ttft_ms"],
+                "ttft_deviation": s["ttft_ms"] / r["ttft_ms"] - 1,
+                "tpot_real_ms": r["tpot_ms"],
+                "tpot_sim_ms": s["tpot_ms"],
+                "tpot_deviation": s["tpot_ms"] / r["tpot_ms"] - 1,
+            }
+        )
+    return out
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "specgate bench cpu-fidelity") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sweep", choices=("full", "quick"), default="full")
+    default = Workload()
+    parser.add_argument("--concurrency", type=lambda t: [int(v) for v in t.split(",")], default=default.concurrency)
+    parser.add_argument("--prompt-tokens", type=int, default=default.prompt_tokens)
+    parser.add_argument("--output-tokens", type=int, default=default.output_tokens)
+    parser.add_argument("--rounds", type=int, default=default.rounds)
+    parser.add_argument("--seed", type=int, default=default.seed)
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/cpu-fidelity"))
+    parser.add_argument("--report", type=Path, default=Path("docs/fidelity.md"), help="where fidelity.md goes")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="specgate-cpu-fidelity-") as tmp:
+        results = asyncio.run(run(args, Path(tmp)))
+    results["command"] = " ".join([prog, *(sys.argv[1:] if argv is None else argv)]).strip()
+    results["rows"] = rows(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    text = fidelity.report(cpu=results)
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(text)
+    print(fidelity.cpu_section(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
