@@ -65,7 +65,7 @@ class Sweep:
 
 
 QUICK = Sweep(prompts=(32, 256, 1024), batches=(1, 4, 8), contexts=(32, 512), output_tokens=24, repeats=1)
-FULL = Sweep(prompts=(32, 256, 1024, 2048, 4096), batches=(1, 2, 4, 8, 16), contexts=(32, 1024, 3072),
+FULL = Sweep(prompts=(32, 128, 256, 512, 1024, 1536, 2048, 4096), batches=(1, 2, 4, 8, 16), contexts=(32, 1024, 3072),
              output_tokens=64, repeats=2)  # fmt: skip
 
 
@@ -112,8 +112,44 @@ async def probe(session: aiohttp.ClientSession, url: str) -> Server:
     return Server(url, str(first["id"]), max_model_len, load.spec is not None, _kv_capacity(metrics))
 
 
-async def _counters(session: aiohttp.ClientSession, server: Server) -> SpecCounters | None:
-    return parse_vllm_metrics(await _text(session, f"{server.url}/metrics")).spec
+@dataclass(frozen=True)
+class Drafting:
+    """What a speculative server's counters say over some requests: its spec-decode counters and
+    the output tokens it generated meanwhile (None where it does not publish them)."""
+
+    counters: SpecCounters
+    generated: float | None = None
+
+    def __add__(self, other: Drafting) -> Drafting:
+        generated = None if self.generated is None or other.generated is None else self.generated + other.generated
+        return Drafting(self.counters + other.counters, generated)
+
+    def __sub__(self, other: Drafting) -> Drafting:
+        generated = None if self.generated is None or other.generated is None else self.generated - other.generated
+        return Drafting(self.counters - other.counters, generated)
+
+    def decoded(self, requests: int) -> Drafting:
+        """Without the first token of each of `requests` (the prefill's, not a decode step's)."""
+        return replace(self, generated=None if self.generated is None else self.generated - requests)
+
+    def acceptance(self) -> tuple[float, int]:
+        """The per-token acceptance and k of a proposer drafting k tokens every step that emits as
+        many tokens a step as these counters show. vLLM counts acceptances per draft position, k of
+        them; an n-gram proposer drafts only in the steps where it finds a match, so the steps are
+        the generated tokens less the accepted ones (each step emits one token of its own), not
+        the drafts."""
+        c = self.counters
+        k = len(c.accepted_per_pos) or max(round(c.draft_tokens / c.drafts), 1)
+        steps = c.drafts
+        if self.generated is not None and self.generated >= c.drafts + c.accepted_tokens:
+            steps = self.generated - c.accepted_tokens
+        return acceptance_from_tokens_per_step(1.0 + c.accepted_tokens / steps, k), k
+
+
+async def drafting(session: aiohttp.ClientSession, server: Server) -> Drafting | None:
+    """The server's drafting counters now; None when it does not speculate."""
+    load = parse_vllm_metrics(await _text(session, f"{server.url}/metrics"))
+    return Drafting(load.spec, load.generation_tokens) if load.spec is not None else None
 
 
 @dataclass(frozen=True)
@@ -164,7 +200,7 @@ Progress = Callable[[str], None]
 async def measure(
     session: aiohttp.ClientSession, server: Server, sweep: Sweep, time_scale: float, rng: random.Random,
     progress: Progress,
-) -> tuple[list[Step], SpecCounters | None]:  # fmt: skip
+) -> tuple[list[Step], Drafting | None]:  # fmt: skip
     """The server's steps over the sweep, in the profile's milliseconds; with its spec counters'
     change over the decode runs when it speculates."""
     room = server.max_model_len - sweep.output_tokens - 1
@@ -180,23 +216,25 @@ async def measure(
         ttfts = [(await one(session, server, prompt(length), 1)).ttft_s for _ in range(max(sweep.repeats, 1) * 3)]
         steps.append(Step("prefill", 0, 1, 0.0, length, statistics.median(ttfts) * 1e3 * time_scale))
         progress(f"{server.url} prefill {length}")
-    total: SpecCounters | None = None
+    total: Drafting | None = None
     for context in sweep.contexts:
         if context > room:
             continue
         for batch in sweep.batches:
             for _ in range(sweep.repeats):
-                before = await _counters(session, server) if server.speculative else None
+                before = await drafting(session, server) if server.speculative else None
                 runs = [one(session, server, prompt(context), sweep.output_tokens) for _ in range(batch)]
                 step_s = steady_step_s(await asyncio.gather(*runs))
                 query = 1
                 if before is not None:
-                    after = await _counters(session, server)
+                    after = await drafting(session, server)
                     delta = after - before if after is not None else None
-                    if delta is None or delta.drafts <= 0:
+                    if delta is None or delta.counters.drafts <= 0:
                         raise CalibrationError(f"{server.url} speculates but its counters did not move")
+                    delta = delta.decoded(batch)
                     total = delta if total is None else total + delta
-                    query = 1 + round(delta.draft_tokens / delta.drafts)  # k drafts verified with the next token
+                    # k drafts verified with the next token
+                    query = 1 + round(delta.counters.draft_tokens / delta.counters.drafts)
                 if step_s is None:
                     continue
                 step_ms = step_s * 1e3 * time_scale
@@ -235,7 +273,7 @@ class Calibration:
 
 
 def assemble(
-    servers: Sequence[Server], plain: Sequence[Step], spec: Sequence[Step], counters: SpecCounters | None,
+    servers: Sequence[Server], plain: Sequence[Step], spec: Sequence[Step], counters: Drafting | None,
     base: Profile, name: str, source: str,
 ) -> Calibration:  # fmt: skip
     """The profile the measurements give, with `base` for what they do not."""
@@ -245,11 +283,8 @@ def assemble(
     if target is None:
         notes.append(f"target step costs from {base.name}: no plain server was measured")
     spec_profile, draft, alpha, k = base.spec, None, None, None
-    if spec and counters is not None and counters.drafts > 0:
-        # vLLM counts acceptances per draft position, k of them; an n-gram proposer may propose
-        # fewer than k tokens when its match nears the end of the context.
-        k = len(counters.accepted_per_pos) or max(round(counters.draft_tokens / counters.drafts), 1)
-        alpha = acceptance_from_tokens_per_step(1.0 + counters.accepted_tokens / counters.drafts, k)
+    if spec and counters is not None and counters.counters.drafts > 0:
+        alpha, k = counters.acceptance()
         if target is not None:
             draft = fit_draft(spec, target.model, k)
             spec_profile = replace(spec_profile, draft=draft.cost)
@@ -303,7 +338,7 @@ async def calibrate(
 
         plain: list[Step] = []
         spec: list[Step] = []
-        counters: SpecCounters | None = None
+        counters: Drafting | None = None
         for server in servers:
             steps, delta = await measure(session, server, sweep, time_scale, rng, step)
             (spec if server.speculative else plain).extend(steps)

@@ -24,14 +24,15 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import aiohttp
 
 from specgate.bench import fidelity
-from specgate.bench.calibrate import FULL, QUICK, Server, calibrate, one, probe, progress_bar
+from specgate.bench.calibrate import FULL, QUICK, Server, calibrate, drafting, one, probe, progress_bar
 from specgate.calibration import profile_file
+from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
 from specgate.testing import cpu_pools, setup_vllm
 from specgate.workers import launch
@@ -46,7 +47,9 @@ TOLERANCE = 0.2
 class Workload:
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     prompt_tokens: int = 256
-    output_tokens: int = 32
+    output_tokens: int = FULL.output_tokens
+    """As long as the calibration's answers: n-gram speculation on a small model accepts more as its
+    answer goes on (it starts repeating itself), so the calibration's acceptance holds for these."""
     rounds: int = 3
     seed: int = 0
 
@@ -58,21 +61,31 @@ class Point:
     clients: int
     ttft_ms: float
     tpot_ms: float
+    tokens_per_step: float
+    """Tokens per streamed event after the first (one event per engine step): on a speculative
+    server, 1 + the drafts it accepted."""
+    acceptance: float | None = None
+    """On a speculative server, the per-token acceptance its counters show over these requests."""
+    label: str = ""
+    """What the simulated replica was given, when it is not just the calibrated profile."""
 
 
 async def load_point(
     session: aiohttp.ClientSession, server: Server, clients: int, prompt_tokens: int, output_tokens: int,
     rounds: int, rng: random.Random,
-) -> tuple[float, float]:  # fmt: skip
-    """Median TTFT and TPOT (ms) of `clients` requests sent at once, over `rounds` rounds."""
+) -> tuple[float, float, float]:  # fmt: skip
+    """Median TTFT and TPOT (ms) and tokens per step of `clients` requests sent at once, over
+    `rounds` rounds."""
     ttfts: list[float] = []
     tpots: list[float] = []
+    per_step: list[float] = []
     for _ in range(rounds):
         prompts = [[rng.randrange(1000, 9000) for _ in range(prompt_tokens)] for _ in range(clients)]
         for t in await asyncio.gather(*(one(session, server, p, output_tokens) for p in prompts)):
             ttfts.append(t.ttft_s * 1e3)
             tpots.append((t.events[-1] - t.events[0]) * 1e3 / max(output_tokens - 1, 1))
-    return statistics.median(ttfts), statistics.median(tpots)
+            per_step.append((output_tokens - 1) / max(len(t.events) - 1, 1))
+    return statistics.median(ttfts), statistics.median(tpots), statistics.median(per_step)
 
 
 async def measure(urls: Sequence[str], work: Workload, mode_of: dict[str, str]) -> list[Point]:
@@ -85,12 +98,17 @@ async def measure(urls: Sequence[str], work: Workload, mode_of: dict[str, str]) 
             server = await probe(session, url)
             await load_point(session, server, 2, work.prompt_tokens, work.output_tokens, 1, rng)  # warm it
             for clients in work.concurrency:
-                ttft, tpot = await load_point(
+                before = await drafting(session, server) if server.speculative else None
+                ttft, tpot, per_step = await load_point(
                     session, server, clients, work.prompt_tokens, work.output_tokens, work.rounds, rng
                 )
-                points.append(Point(mode_of[url], clients, ttft, tpot))
-                print(f"cpu-fidelity: {url} ({mode_of[url]}) x{clients}: TTFT {ttft:.1f} ms, TPOT {tpot:.1f} ms",
-                      file=sys.stderr)  # fmt: skip
+                after = await drafting(session, server) if before is not None else None
+                alpha = None
+                if before is not None and after is not None and (delta := after - before).counters.drafts > 0:
+                    alpha, _ = delta.decoded(clients * work.rounds).acceptance()
+                points.append(Point(mode_of[url], clients, ttft, tpot, per_step, alpha))
+                print(f"cpu-fidelity: {url} ({mode_of[url]}) x{clients}: TTFT {ttft:.1f} ms, TPOT {tpot:.1f} ms, "
+                      f"{per_step:.2f} tokens a step", file=sys.stderr)  # fmt: skip
     return points
 
 
@@ -113,13 +131,22 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         await stop(servers)
     path = workdir / f"{PROFILE_NAME}.json"
     path.write_bytes(profile_file.dumps(result.file.profile, result.file.source, datetime.date.today()))
+    # The simulated replicas: each on the calibrated profile; the speculative one also with the
+    # acceptance the real server showed on these requests (acceptance is the content's, and the
+    # calibration's prompts are not these), which isolates the step costs' share of the error.
+    shown = [p.acceptance for p in real if p.acceptance is not None]
+    variants: list[tuple[str, tuple[str, ...], str]] = [(mode, (), "") for mode in dict.fromkeys(mode_of.values())]
+    if shown:
+        alpha = statistics.fmean(shown)
+        variants.append((Pool.SPECULATIVE.value, ("--acceptance", f"{alpha:.3f}"), f"a = {alpha:.2f}, as measured"))
     simulated: list[Point] = []
-    for mode in dict.fromkeys(mode_of.values()):
-        log = workdir / f"sim-{mode}.log"
-        sim = launch.spawn(launch.sim_argv("--profile-file", str(path), "--mode", mode, "--seed", str(args.seed)), log)
+    for mode, extra, label in variants:
+        log = workdir / f"sim-{mode}-{len(simulated)}.log"
+        argv = launch.sim_argv("--profile-file", str(path), "--mode", mode, "--seed", str(args.seed), *extra)
+        sim = launch.spawn(argv, log)
         try:
             url = await launch.wait_ready(sim, log)
-            simulated += await measure([url], work, {url: mode})
+            simulated += [replace(p, label=label) for p in await measure([url], work, {url: mode})]
         finally:
             await launch.terminate(sim)
     return {
@@ -145,6 +172,8 @@ def rows(results: dict[str, object]) -> list[dict[str, object]]:
         out.append(
             {
                 "mode": s["mode"],
+                "label": s.get("label", ""),
+                "acceptance_real": r.get("acceptance"),
                 "clients": s["clients"],
                 "ttft_real_ms": r["ttft_ms"],
                 "ttft_sim_ms": s["ttft_ms"],
@@ -152,6 +181,8 @@ def rows(results: dict[str, object]) -> list[dict[str, object]]:
                 "tpot_real_ms": r["tpot_ms"],
                 "tpot_sim_ms": s["tpot_ms"],
                 "tpot_deviation": s["tpot_ms"] / r["tpot_ms"] - 1,
+                "tokens_per_step_real": r["tokens_per_step"],
+                "tokens_per_step_sim": s["tokens_per_step"],
             }
         )
     return out

@@ -46,16 +46,17 @@ def cpu_section(results: dict[str, Any]) -> str:
         f"(`specgate calibrate`, {results['sweep']} sweep), then `specgate sim` on that profile in real time. "
         f"Requests sent at once, {results['prompt_tokens']}-token prompts of random token ids, "
         f"{results['output_tokens']} tokens each (`ignore_eos`), {results['rounds']} rounds; medians as the "
-        "client sees them. Deviation: simulated over real, less one.",
+        "client sees them. Off by: simulated over real, less one.",
         "",
-        "| server | at once | TTFT real ms | TTFT sim ms | deviation | TPOT real ms | TPOT sim ms | deviation |",
-        "|---|---|---|---|---|---|---|---|",
+        "| server | at once | TTFT ms, real | sim | off by | TPOT ms, real | sim | off by | tokens/step, real / sim |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
+        server = f"{r['mode']} ({r['label']})" if r.get("label") else r["mode"]
         lines.append(
-            f"| {r['mode']} | {r['clients']} | {r['ttft_real_ms']:.1f} | {r['ttft_sim_ms']:.1f} "
+            f"| {server} | {r['clients']} | {r['ttft_real_ms']:.1f} | {r['ttft_sim_ms']:.1f} "
             f"| {r['ttft_deviation'] * 100:+.1f}% | {r['tpot_real_ms']:.1f} | {r['tpot_sim_ms']:.1f} "
-            f"| {r['tpot_deviation'] * 100:+.1f}% |"
+            f"| {r['tpot_deviation'] * 100:+.1f}% | {r['tokens_per_step_real']:.2f} / {r['tokens_per_step_sim']:.2f} |"
         )
     worst = max((abs(r[k]) for r in results["rows"] for k in ("ttft_deviation", "tpot_deviation")), default=0.0)
     lines += ["", f"Largest deviation: {worst * 100:.1f}%.", "", "The calibration it ran on:", "", "```"]

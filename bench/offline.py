@@ -226,6 +226,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
                 prompt_tokens=c.prompt_tokens,
                 generation_tokens=c.generation_tokens,
                 spec=spec if engine.speculative else None,
+                first_tokens=c.first_tokens,
             )
             replica.scraped(load, now, replica.dispatched)
 

@@ -102,6 +102,13 @@ class Batch:
         return self.decode_seqs + self.prefill_seqs
 
 
+def prompt_pairs(batch: Batch) -> float:
+    """Pairs of a prompt's tokens where the later attends to the earlier, summed over the step's
+    prompts (taken as equal shares of its prompt tokens)."""
+    seqs = max(batch.prefill_seqs, 1)
+    return batch.prefill_tokens * batch.prefill_tokens / (2 * seqs)
+
+
 class StepModel(Protocol):
     def forward_ms(self, batch: Batch) -> float:
         """GPU time of the target model's forward pass over the batch."""
@@ -171,6 +178,10 @@ class LinearStepModel:
     per_verify_token_us: float | None = None
     """A draft token verified beside its sequence's own (k per speculative sequence), its
     drafting included: checked together, like a small prefill, they cost differently."""
+    per_prompt_pair_ns: float = 0.0
+    """A prompt token attending to an earlier one of its prompt: a prompt of p tokens costs this
+    p²/2 times on top, attention's share that grows with the prompt (a CPU feels it from a few
+    hundred tokens). The prompts of one step count as equal shares of its prompt tokens."""
 
     def forward_ms(self, batch: Batch) -> float:
         if not batch.num_seqs:
@@ -181,7 +192,10 @@ class LinearStepModel:
         verify = self.per_token_us if self.per_verify_token_us is None else self.per_verify_token_us
         us = self.per_token_us * decoded + verify * verified + prefill * batch.prefill_tokens
         kv_tokens = batch.decode_seqs * batch.mean_context + batch.prefill_tokens
-        return self.base_ms + us / 1e3 + self.per_kv_token_ns * kv_tokens / 1e6
+        ms = self.base_ms + us / 1e3 + self.per_kv_token_ns * kv_tokens / 1e6
+        if self.per_prompt_pair_ns and batch.prefill_tokens:
+            ms += self.per_prompt_pair_ns * prompt_pairs(batch) / 1e6
+        return ms
 
     def overhead_ms(self, num_seqs: int) -> float:
         return self.step_overhead_ms if num_seqs else 0.0

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from specgate.calibration.costs import Batch, DraftCost, LinearStepModel
+from specgate.calibration.costs import Batch, DraftCost, LinearStepModel, prompt_pairs
 
 
 @dataclass(frozen=True)
@@ -117,28 +117,41 @@ class TargetFit:
 
 def fit_target(steps: Sequence[Step]) -> TargetFit:
     """The target model's forward pass: `base + per_token x decoding sequences + per_prefill x
-    prompt tokens + per_kv x kv_tokens` (ms), fitted in relative terms (a 5 ms step off by 1 ms
-    matters as much as a 500 ms one off by 100). A prompt token has a cost of its own when prompts
-    were measured (on a CPU, attention makes it dearer as the prompt grows); else it costs as one."""
+    prompt tokens + per_kv x kv_tokens + per_pair x prompt pairs` (ms), fitted in relative terms (a
+    5 ms step off by 1 ms matters as much as a 500 ms one off by 100). A prompt token has a cost of
+    its own when prompts were measured (on a CPU, attention makes it dearer as the prompt grows),
+    else it costs as one; with prompts of three lengths or more, attention within the prompt (p²/2
+    pairs of tokens) has a cost of its own too."""
     if len(steps) < 3:
         raise ValueError("fitting a step model takes at least three measured steps")
     prompts = any(s.prefill_tokens for s in steps)
+    pairs = len({s.prefill_tokens for s in steps if s.prefill_tokens}) >= 3
     rows, ys = [], []
     for s in steps:
         b = s.batch
         kv = b.decode_seqs * b.mean_context + b.prefill_tokens
         decoded = b.decode_seqs * b.query_per_seq
-        rows.append((1.0, decoded / 1e3, kv / 1e6, *((b.prefill_tokens / 1e3,) if prompts else ())))
+        row = [1.0, decoded / 1e3, kv / 1e6]
+        if prompts:
+            row.append(b.prefill_tokens / 1e3)
+        if pairs:
+            row.append(prompt_pairs(b) / 1e6)
+        rows.append(tuple(row))
         ys.append(s.ms)
     fit = least_squares(rows, ys, [1.0 / (y * y) for y in ys])
     (base, per_token_us, per_kv_ns), (e0, e1, e2) = fit.coefficients[:3], fit.stderrs[:3]
     terms = [Term("step fixed cost (ms)", base, e0), Term("per decoding sequence (us)", per_token_us, e1),
              Term("per KV token (ns)", per_kv_ns, e2)]  # fmt: skip
-    per_prefill_us = None
+    per_prefill_us, per_pair_ns = None, 0.0
     if prompts:
         per_prefill_us = fit.coefficients[3]
         terms.append(Term("per prompt token (us)", per_prefill_us, fit.stderrs[3]))
-    model = LinearStepModel(base, per_token_us, per_kv_ns, 0.0, per_prefill_token_us=per_prefill_us)
+    if pairs:
+        per_pair_ns = fit.coefficients[4]
+        terms.append(Term("per prompt token pair (ns)", per_pair_ns, fit.stderrs[4]))
+    model = LinearStepModel(
+        base, per_token_us, per_kv_ns, 0.0, per_prefill_token_us=per_prefill_us, per_prompt_pair_ns=per_pair_ns
+    )
     return TargetFit(model, tuple(terms), _relative_errors(steps, lambda s: model.forward_ms(s.batch)))
 
 

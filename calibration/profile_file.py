@@ -51,6 +51,7 @@ class _Linear(
     step_overhead_ms: Annotated[float, Meta(ge=0)]
     per_prefill_token_us: Annotated[float, Meta(ge=0)] | None = None
     per_verify_token_us: Annotated[float, Meta(ge=0)] | None = None
+    per_prompt_pair_ns: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class _Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -127,7 +128,7 @@ def loads(raw: bytes, path: Path | None = None) -> ProfileFile:
         else:
             model = LinearStepModel(
                 steps.base_ms, steps.per_token_us, steps.per_kv_token_ns, steps.step_overhead_ms,
-                steps.per_prefill_token_us, steps.per_verify_token_us,
+                steps.per_prefill_token_us, steps.per_verify_token_us, steps.per_prompt_pair_ns,
             )  # fmt: skip
         profile = Profile(
             p.name, p.title, p.model, p.hardware, model, p.kv_capacity_tokens, p.spec, p.max_model_len,

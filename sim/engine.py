@@ -382,6 +382,7 @@ class Engine:
         c = self.counters
         c.prompt_tokens += prompt_tokens
         c.generation_tokens += generation_tokens
+        c.first_tokens += sum(o.first for o in outputs)
         c.drafts += drafts
         c.draft_tokens += draft_tokens
         c.accepted_tokens += accepted_total

@@ -89,6 +89,8 @@ class EngineCounters:
     preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    first_tokens: int = 0
+    """Requests that got their first token (vLLM's TTFT histogram counts them)."""
     steps: int = 0
     drafts: int = 0
     draft_tokens: int = 0

@@ -137,8 +137,28 @@ def test_tokens_per_step_from_counter_deltas() -> None:
     assert r.tokens_per_step == 1 + 150 / 100
 
 
+def test_steps_without_drafts_count_in_the_tokens_per_step() -> None:
+    """An n-gram proposer drafts only in the steps where it finds a match: the generated tokens
+    less the accepted ones count every step, the drafts only those that drafted."""
+    r = Replica("spec-0", "http://x", Pool.SPECULATIVE, SETTINGS)
+
+    def at(drafts: int, accepted: int, generated: float, first_tokens: float = 0.0) -> VllmLoad:
+        spec = SpecCounters(drafts, 5 * drafts, accepted, ())
+        return VllmLoad(1.0, 0.0, 0.1, 0.0, 0.0, generated, spec, first_tokens)
+
+    r.scraped(at(0, 0, 0.0), 0.0, 0)
+    # 200 decode steps, 100 of them drafting and accepting 3 tokens each: 100 x 4 + 100 x 1 = 500
+    # tokens, and 10 requests' first tokens from their prompts' steps.
+    r.scraped(at(100, 300, 510.0, 10.0), 1.0, 0)
+    assert r.tokens_per_step == pytest.approx(500 / 200)  # not 1 + 300 / 100 = 4
+    # A counter that does not add up (fewer tokens than the drafting steps emitted): the 100
+    # drafts count as the interval's steps (beside the 200 before, kept at 1 - 100 / 2000).
+    r.scraped(at(200, 600, 510.0, 10.0), 2.0, 0)
+    assert r.tokens_per_step == pytest.approx(1 + (300 * 0.95 + 300) / (200 * 0.95 + 100))
+
+
 def test_acceptance_is_a_window_over_recent_drafts_pooled_per_pool() -> None:
-    settings = FleetSettings(acceptance_window_drafts=1000)
+    settings = FleetSettings(acceptance_window_steps=1000)
     fleet = Fleet({Pool.SPECULATIVE: ["http://a", "http://b"], Pool.PLAIN: ["http://c"]}, settings)
     a, b = fleet.replicas["spec-0"], fleet.replicas["spec-1"]
     a.scraped(load(spec=SpecCounters(0, 0, 0, ())), 0.0, 0)

@@ -12,6 +12,8 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
 vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
 vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 12.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 30.0
+vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 12.0
 vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 100.0
 vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 500.0
 vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 210.0
@@ -31,6 +33,7 @@ def test_v1_exposition() -> None:
     assert load.spec is not None
     assert (load.spec.drafts, load.spec.draft_tokens, load.spec.accepted_tokens) == (100.0, 500.0, 210.0)
     assert load.spec.accepted_per_pos == (80.0, 60.0, 40.0, 20.0, 10.0)
+    assert load.first_tokens == 42.0  # the TTFT histogram's counts, not its buckets
 
 
 def test_plain_replica_has_no_spec_counters() -> None:

@@ -53,8 +53,8 @@ class FleetSettings:
     """Time constant of the smoothed rate of prompts (and their tokens) sent to each replica."""
     burst_window_s: float = 2.0
     """A shorter one: when prompts come faster over it (a burst), its rate is the one used."""
-    acceptance_window_drafts: float = 2000.0
-    """How many recent drafts the speculative pool's acceptance is estimated from."""
+    acceptance_window_steps: float = 2000.0
+    """Over how many recent sequence-steps the speculative pool's tokens per step are estimated."""
 
 
 @dataclass
@@ -79,6 +79,24 @@ class _Rate:
         """Prompts and prompt tokens per second."""
         scale = self.decay(now) / self.window_s
         return self.prompts * scale, self.tokens * scale
+
+
+def _sequence_steps(delta: SpecCounters, load: VllmLoad, previous: VllmLoad | None) -> float:
+    """How many decode steps the replica's sequences ran between two scrapes: each emits a token of
+    its own and the drafts it accepted, so the tokens generated (less the first tokens, which the
+    prompts' steps emit) less the accepted ones. A proposer that
+    drafts only where it finds a match (n-gram) also runs steps without drafts, which counting the
+    drafts would miss (and so overrate its tokens per step). Without a generation counter that
+    adds up (every drafting step emits its own token besides those accepted): the drafts; none
+    across a counter reset."""
+    generated = None
+    if previous is not None and previous.generation_tokens is not None and load.generation_tokens is not None:
+        generated = load.generation_tokens - previous.generation_tokens
+        if previous.first_tokens is not None and load.first_tokens is not None:
+            generated -= load.first_tokens - previous.first_tokens  # the prefills' tokens
+    if generated is None or generated < delta.drafts + delta.accepted_tokens:
+        return float(delta.drafts) if acceptance(delta) is not None else 0.0
+    return generated - delta.accepted_tokens
 
 
 def _ewma(old: float | None, new: float, weight: float) -> float:
@@ -127,7 +145,7 @@ class Replica:
         """The context window the replica's /v1/models reports, read when it is admitted."""
         self.scraped_at: float | None = None
         self.tokens_per_step: float | None = None
-        self.recent_drafts = 0.0
+        self.recent_steps = 0.0
         self.recent_accepted = 0.0
         self.observed_ttft_s: float | None = None
         self.observed_tpot_s: float | None = None
@@ -223,19 +241,20 @@ class Replica:
     def scraped(self, load: VllmLoad, now: float, dispatched_at_send: int) -> None:
         self.health.scrape_succeeded(now)
         self._check_progress(load, now)
-        self.load = load
+        previous, self.load = self.load, load
         self.scraped_at = now
         self._dispatched_at_scrape = dispatched_at_send
         if load.spec is not None:
             if self._last_spec is not None:
                 delta = load.spec - self._last_spec
-                if acceptance(delta) is not None:
-                    # A sliding window over the last drafts: one short interval reflects only the few
+                steps = _sequence_steps(delta, load, previous)
+                if steps > 0 and delta.accepted_tokens >= 0:
+                    # A sliding window over the last steps: one short interval reflects only the few
                     # requests running then, whose acceptance says little about the next request's.
-                    keep = max(1.0 - delta.drafts / self.settings.acceptance_window_drafts, 0.0)
-                    self.recent_drafts = self.recent_drafts * keep + delta.drafts
+                    keep = max(1.0 - steps / self.settings.acceptance_window_steps, 0.0)
+                    self.recent_steps = self.recent_steps * keep + steps
                     self.recent_accepted = self.recent_accepted * keep + delta.accepted_tokens
-                    self.tokens_per_step = 1.0 + self.recent_accepted / self.recent_drafts
+                    self.tokens_per_step = 1.0 + self.recent_accepted / self.recent_steps
             self._last_spec = load.spec
 
     def _check_progress(self, load: VllmLoad, now: float) -> None:
@@ -330,11 +349,11 @@ class Fleet:
             total[0] += r.ttft_correction
             total[1] += r.tpot_correction
             total[2] += 1
-            total[3] += r.recent_drafts
+            total[3] += r.recent_steps
             total[4] += r.recent_accepted
         pooled = {
-            pool: (ttft / n, tpot / n, 1.0 + accepted / drafts if drafts > 0 else None)
-            for pool, (ttft, tpot, n, drafts, accepted) in sums.items()
+            pool: (ttft / n, tpot / n, 1.0 + accepted / steps if steps > 0 else None)
+            for pool, (ttft, tpot, n, steps, accepted) in sums.items()
         }
         return Snapshot(tuple(r.state(now, *pooled[r.pool]) for r in self.replicas.values()))
 

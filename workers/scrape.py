@@ -24,9 +24,11 @@ _DRAFTS = "vllm:spec_decode_num_drafts_total"
 _DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 _ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+_FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"
 _WANTED = frozenset(
-    {_RUNNING, _WAITING, _KV, _KV_V0, _PREEMPTIONS, _PROMPT, _GENERATION, _DRAFTS, _DRAFT_TOKENS, _ACCEPTED, _PER_POS}
-)
+    {_RUNNING, _WAITING, _KV, _KV_V0, _PREEMPTIONS, _PROMPT, _GENERATION, _DRAFTS, _DRAFT_TOKENS, _ACCEPTED, _PER_POS,
+     _FIRST_TOKENS}
+)  # fmt: skip
 
 
 class MetricsFormatError(ValueError):
@@ -43,6 +45,9 @@ class VllmLoad:
     generation_tokens: float | None
     spec: SpecCounters | None
     """None on a replica that does not speculate (vLLM publishes no spec counters there)."""
+    first_tokens: float | None = None
+    """Requests that got their first token (the TTFT histogram's count): tokens of the prefill's
+    step, not of a decode step."""
 
 
 def _position(labels: str) -> int | None:
@@ -108,4 +113,5 @@ def parse_vllm_metrics(text: str) -> VllmLoad:
         prompt_tokens=sums.get(_PROMPT),
         generation_tokens=sums.get(_GENERATION),
         spec=spec,
+        first_tokens=sums.get(_FIRST_TOKENS),
     )
