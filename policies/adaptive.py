@@ -4,17 +4,18 @@ For every healthy replica the latency model predicts this request's TTFT, TPOT a
 joining does to the requests already there. Replicas predicted to meet both SLOs are kept; among
 them the one with the best predicted completion (plus the weighted harm) wins. When none can meet
 them, the request is refused with a hint of when to retry if shedding is on and its priority is
-below the shedding line; otherwise it is served best-effort where it costs the other requests'
-SLOs least: on a replica whose requests are already late, else on the least-violating one. Under
-overload this keeps the replicas that still meet their SLOs meeting them, rather than spreading
-the overload until every replica misses. A small,
+below the shedding line (and refused outright when no replica could meet them even idle, once the
+predictions that say so have been seen measured often enough to be trusted); otherwise it is served
+best-effort where it costs the other requests' SLOs least: on a replica whose requests are already
+late, else on the least-violating one. Under overload this keeps the replicas that still meet their
+SLOs meeting them, rather than spreading the overload until every replica misses. A small,
 deterministic share of requests goes to the best feasible replica of the other pool, so the
 corrections of the pool that is chosen less keep learning.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated
 
 import msgspec
@@ -25,7 +26,7 @@ from specgate.policies.decision import Decision, Hold, Shed, Shedding, Verdict, 
 from specgate.policies.features import RequestFeatures
 from specgate.policies.latency_model import LatencyModel, Prediction
 from specgate.validation import Fraction
-from specgate.workers.snapshot import ReplicaState, Snapshot
+from specgate.workers.snapshot import CORRECTION_RANGE, ReplicaState, Snapshot
 
 
 class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -40,6 +41,8 @@ class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Below this chance of meeting its SLOs everywhere, a request is served best-effort (or shed)."""
     tolerance: Fraction = 0.05
     """Replicas whose chance is within this of the best compete on completion and harm."""
+    min_checked: Annotated[int, Meta(ge=0, le=100_000)] = 20
+    """Predictions a pool must have seen measured before they may refuse a request as out of reach."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,15 @@ class Adaptive:
                 return self._decision(best, "best-chance")
             return Hold("queued")  # one may soon: wait in the gateway, not in a replica's queue
         if not features.waited_ms and admission.refuse_infeasible:
-            return Shed("slo-infeasible", None, self._infeasible(features, idle.values()))
+            # A prediction not yet seen measured refuses only what no correction could bring within
+            # reach: a profile of other hardware can be off by half, and refusing on it would keep it
+            # so. Otherwise the replica whose predictions rest on the least serves the request
+            # best-effort, and its answer corrects them.
+            hopeful = [o for o in options if self._could_correct(o.replica, features)]
+            if not hopeful:
+                return Shed("slo-infeasible", None, self._infeasible(features, idle.values()))
+            least = min(hopeful, key=lambda o: (o.replica.checked + o.replica.in_flight, o.score))
+            return self._decision(least, "unchecked", best_effort=True)
         # Its SLOs are lost: serve it best-effort, where it is sure to be served before the
         # wait runs out, else wait in the gateway for such a place or for the end of the wait.
         left = admission.give_up_ms(features) - features.waited_ms
@@ -130,6 +141,16 @@ class Adaptive:
         if best.chance >= self.params.min_chance:
             return self._decision(best, "best-effort", best_effort=True)
         return Hold("best-effort")
+
+    def _could_correct(self, replica: ReplicaState, features: RequestFeatures) -> bool:
+        """Too few of the replica's predictions seen measured (or on their way back) to trust them,
+        and the request could meet its SLOs there idle, were they as far too slow as a correction
+        can say."""
+        if replica.checked + replica.in_flight >= self.params.min_checked:
+            return False
+        low = CORRECTION_RANGE[0]
+        best = replace(replica.idle(), ttft_correction=low, tpot_correction=low)
+        return self.chance(self.model.predict(best, features), features.remaining_ttft_ms, features.slo_tpot_ms) > 0
 
     def _best_effort(self, options: list[_Option]) -> Decision:
         """Past saving it, a request goes where its chance is best, then where it costs the others'

@@ -84,15 +84,36 @@ def test_a_request_no_replica_can_serve_in_time_now_waits_in_the_gateway() -> No
     assert Adaptive(MODEL).decide(FEATURES, ALL_SLOW) == Hold("queued")
 
 
+CHECKED = Snapshot(tuple(replace(r, checked=20) for r in IDLE.replicas))
+"""Idle, with predictions the gateway has seen measured 20 times a pool."""
+
+
 def test_a_request_no_replica_could_serve_even_idle_is_refused_at_once() -> None:
     hopeless = replace(FEATURES, prompt_tokens=12_000, slo_ttft_ms=300.0)  # its prefill alone takes seconds
-    verdict = Adaptive(MODEL).decide(hopeless, IDLE)
+    verdict = Adaptive(MODEL).decide(hopeless, CHECKED)
     assert isinstance(verdict, Shed)
     assert (verdict.reason, verdict.retry_after_s) == ("slo-infeasible", None)
     assert "x-slo-ttft-ms 300 and x-slo-tpot-ms 50" in verdict.detail
     # told not to refuse, the gateway keeps it until its wait (3 x 300 ms) runs out
-    kept = Adaptive(MODEL, admission=Admission(refuse_infeasible=False)).decide(hopeless, IDLE)
+    kept = Adaptive(MODEL, admission=Admission(refuse_infeasible=False)).decide(hopeless, CHECKED)
     assert kept == Hold("best-effort")
+
+
+def test_predictions_never_seen_measured_refuse_only_what_no_correction_could_save() -> None:
+    """A profile of other hardware can be off by half: until a pool's predictions have been seen
+    measured, a request they call hopeless goes where they rest on the least (its answer corrects
+    them), unless even the largest correction would leave it out of reach."""
+    tight = replace(FEATURES, slo_tpot_ms=30.0)  # a plain A100 decodes at 38.5 ms alone
+    plain = state("plain-0", Pool.PLAIN)
+    verdict = Adaptive(MODEL).decide(tight, Snapshot((plain,)))
+    assert isinstance(verdict, Decision)
+    assert (verdict.replica.name, verdict.reason, verdict.best_effort) == ("plain-0", "unchecked", True)
+    # seen measured 20 times (or with 20 answers on their way), the prediction is trusted
+    for checked in (replace(plain, checked=20), replace(plain, in_flight=20)):
+        assert isinstance(Adaptive(MODEL).decide(tight, Snapshot((checked,))), Shed)
+    # 300 ms for a 12,000-token prompt is out of reach even at a fifth of the predicted prefill
+    hopeless = replace(FEATURES, prompt_tokens=12_000, slo_ttft_ms=300.0)
+    assert isinstance(Adaptive(MODEL).decide(hopeless, IDLE), Shed)
 
 
 def test_a_request_past_its_ttft_target_is_served_best_effort_only_where_it_delays_no_one() -> None:

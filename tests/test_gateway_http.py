@@ -223,8 +223,8 @@ async def test_adaptive_sheds_low_priority_requests_it_cannot_serve_now(
             if status == 429:
                 assert r.headers["Retry-After"] == "3"
                 assert answer["error"]["code"] == "slo_unattainable"
-            else:  # held in the gateway until it could be served, not refused
-                assert r.headers["x-route-reason"] == "meets-slo"
+            else:  # held in the gateway until it could be served (or nearly: a fair chance), not refused
+                assert r.headers["x-route-reason"] in ("meets-slo", "best-chance")
 
 
 async def test_admission_queue_holds_then_serves_and_refuses_past_the_deadline(sim_factory: SimFactory) -> None:
@@ -243,7 +243,7 @@ async def test_admission_queue_holds_then_serves_and_refuses_past_the_deadline(s
         assert 0.3 <= time.monotonic() - started < 1.0
         response = await held  # served once the streams end
         assert response.status == 200
-        assert response.headers["x-route-reason"] == "meets-slo"
+        assert response.headers["x-route-reason"] in ("meets-slo", "best-chance")
         await response.read()
         assert await gateway_sample(url, "specgate_queue_dropped_total", reason="deadline") == 1.0
         assert await gateway_sample(url, "specgate_queue_depth") == 0.0

@@ -23,7 +23,7 @@ from specgate.calibration.modes import Pool
 from specgate.workers.acceptance import SpecCounters, acceptance
 from specgate.workers.health import Health
 from specgate.workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
-from specgate.workers.snapshot import ReplicaState, Snapshot
+from specgate.workers.snapshot import CORRECTION_RANGE, ReplicaState, Snapshot
 
 _log = logging.getLogger(__name__)
 
@@ -108,7 +108,6 @@ MAX_BUSY_S = 30.0
 # A single observation moves a correction at most this far (a factor of 2), so one outlier
 # (a request stuck behind a preemption) cannot wreck the model.
 _MAX_STEP = math.log(2.0)
-_CORRECTION_RANGE = (0.2, 5.0)
 
 
 def _corrected(correction: float, observed: float, predicted: float, weight: float) -> float:
@@ -116,7 +115,7 @@ def _corrected(correction: float, observed: float, predicted: float, weight: flo
     if observed <= 0 or predicted <= 0:
         return correction
     step = max(-_MAX_STEP, min(_MAX_STEP, math.log(observed / predicted)))
-    low, high = _CORRECTION_RANGE
+    low, high = CORRECTION_RANGE
     return min(max(correction * math.exp(weight * step), low), high)
 
 
@@ -151,6 +150,8 @@ class Replica:
         self.observed_tpot_s: float | None = None
         self.ttft_correction = 1.0
         self.tpot_correction = 1.0
+        self.checked = 0
+        """Predictions seen measured: how much the corrections rest on."""
         self._rates = (_Rate(self.settings.rate_window_s), _Rate(self.settings.burst_window_s))
         self._dispatched_at_scrape = 0
         self._last_spec: SpecCounters | None = None
@@ -204,6 +205,8 @@ class Replica:
             self.observed_tpot_s = _ewma(self.observed_tpot_s, tpot_s, w)
             if predicted_tpot_s is not None:
                 self.tpot_correction = _corrected(self.tpot_correction, tpot_s, predicted_tpot_s, wc)
+        if predicted_ttft_s is not None or predicted_tpot_s is not None:
+            self.checked += 1
 
     # --- health -------------------------------------------------------------------------------
 
@@ -274,6 +277,7 @@ class Replica:
         ttft_correction: float | None = None,
         tpot_correction: float | None = None,
         tokens_per_step: float | None = None,
+        checked: int | None = None,
     ) -> ReplicaState:
         load = self.load
         arrivals_per_s, prefill_tokens_per_s = self.prompt_rates(now)
@@ -299,6 +303,7 @@ class Replica:
             observed_tpot_s=self.observed_tpot_s,
             ttft_correction=self.ttft_correction if ttft_correction is None else ttft_correction,
             tpot_correction=self.tpot_correction if tpot_correction is None else tpot_correction,
+            checked=self.checked if checked is None else checked,
             max_model_len=self.max_model_len,
         )
 
@@ -345,15 +350,16 @@ class Fleet:
         """
         sums: dict[Pool, list[float]] = {}
         for r in self.replicas.values():
-            total = sums.setdefault(r.pool, [0.0, 0.0, 0.0, 0.0, 0.0])
+            total = sums.setdefault(r.pool, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
             total[0] += r.ttft_correction
             total[1] += r.tpot_correction
             total[2] += 1
             total[3] += r.recent_steps
             total[4] += r.recent_accepted
+            total[5] += r.checked
         pooled = {
-            pool: (ttft / n, tpot / n, 1.0 + accepted / steps if steps > 0 else None)
-            for pool, (ttft, tpot, n, steps, accepted) in sums.items()
+            pool: (ttft / n, tpot / n, 1.0 + accepted / steps if steps > 0 else None, int(checked))
+            for pool, (ttft, tpot, n, steps, accepted, checked) in sums.items()
         }
         return Snapshot(tuple(r.state(now, *pooled[r.pool]) for r in self.replicas.values()))
 

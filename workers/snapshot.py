@@ -7,6 +7,9 @@ from dataclasses import dataclass, replace
 
 from specgate.calibration.modes import Pool
 
+CORRECTION_RANGE = (0.2, 5.0)
+"""How far observed over predicted latency may correct a prediction, either way."""
+
 
 @dataclass(frozen=True)
 class ReplicaState:
@@ -42,6 +45,8 @@ class ReplicaState:
     ttft_correction: float = 1.0
     """Observed over predicted TTFT on this replica, smoothed: multiplies the model's prediction."""
     tpot_correction: float = 1.0
+    checked: int = 0
+    """How many of the pool's predictions the gateway has seen measured (the corrections' evidence)."""
     max_model_len: int | None = None
     """The replica's context window (its /v1/models), once read."""
     weight: float = 1.0
