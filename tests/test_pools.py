@@ -220,24 +220,3 @@ def test_a_burst_of_prompts_shows_in_the_rate_at_once_and_a_steady_stream_as_it_
     assert tokens == pytest.approx(prompts * 1000)
     quiet, _ = burst.prompt_rates(131.0)  # half a minute later, the burst has all but faded
     assert quiet < 0.2
-
-
-def test_a_profile_twice_too_fast_is_corrected_within_a_few_requests() -> None:
-    """The first observations are averaged, then smoothed: predictions half of what the replica
-    does come right within a few requests, and one outlier later moves them by 5% of its log."""
-    r = Replica("plain-0", "http://x", Pool.PLAIN, FleetSettings(correction_smoothing=0.05))
-
-    def request(ttft_s: float, tpot_s: float) -> None:  # routed on the corrected predictions of 0.1 s and 20 ms
-        r.observe(ttft_s, tpot_s, predicted_ttft_s=0.1 * r.ttft_correction, predicted_tpot_s=0.02 * r.tpot_correction)
-
-    for i in range(6):
-        jitter = 1.2 if i % 2 else 1 / 1.2  # the measurements spread around twice the prediction
-        request(0.2 * jitter, 0.04 * jitter)
-    assert r.tpot_correction == pytest.approx(2.0, rel=0.02)
-    assert r.ttft_correction == pytest.approx(2.0, rel=0.02)
-    assert r.checked == 6
-    for _ in range(30):
-        request(0.2, 0.04)
-    before = r.tpot_correction
-    request(0.8, 0.16)  # one request stuck behind a preemption
-    assert r.tpot_correction == pytest.approx(before * 2**0.05, rel=0.01)  # its ratio clamped to 2

@@ -195,13 +195,8 @@ class Replica:
         predicted_ttft_s: float | None = None,
         predicted_tpot_s: float | None = None,
     ) -> None:
-        """Record what a request saw; with the predictions it was routed on, correct the model.
-
-        The correction is a running mean of observed over predicted (in log space) for its first
-        observations, then a smoothed one: a profile of other hardware is corrected within a few
-        requests, not the 1 / `correction_smoothing` a smoothed mean alone would take."""
-        w = self.settings.smoothing
-        wc = max(self.settings.correction_smoothing, 1.0 / (self.checked + 1))
+        """Record what a request saw; with the predictions it was routed on, correct the model."""
+        w, wc = self.settings.smoothing, self.settings.correction_smoothing
         if ttft_s is not None:
             self.observed_ttft_s = _ewma(self.observed_ttft_s, ttft_s, w)
             if predicted_ttft_s is not None:
