@@ -126,12 +126,12 @@ class Adaptive:
         if not features.waited_ms and admission.refuse_infeasible:
             # A prediction not yet seen measured refuses only what no correction could bring within
             # reach: a profile of other hardware can be off by half, and refusing on it would keep it
-            # so. Otherwise the replica whose predictions rest on the least serves the request
+            # so. Otherwise an idle replica whose predictions rest on the least serves the request
             # best-effort, and its answer corrects them.
             hopeful = [o for o in options if self._could_correct(o.replica, features)]
             if not hopeful:
                 return Shed("slo-infeasible", None, self._infeasible(features, idle.values()))
-            least = min(hopeful, key=lambda o: (o.replica.checked + o.replica.in_flight, o.score))
+            least = min(hopeful, key=lambda o: (o.replica.checked, o.score))
             return self._decision(least, "unchecked", best_effort=True)
         # Its SLOs are lost: serve it best-effort, where it is sure to be served before the
         # wait runs out, else wait in the gateway for such a place or for the end of the wait.
@@ -143,10 +143,10 @@ class Adaptive:
         return Hold("best-effort")
 
     def _could_correct(self, replica: ReplicaState, features: RequestFeatures) -> bool:
-        """Too few of the replica's predictions seen measured (or on their way back) to trust them,
-        and the request could meet its SLOs there idle, were they as far too slow as a correction
-        can say."""
-        if replica.checked + replica.in_flight >= self.params.min_checked:
+        """Too few of the replica's pool's predictions seen measured to trust them, nothing of ours
+        on it (one request at a time checks them, as a half-open circuit probes), and the request
+        could meet its SLOs there idle, were they as far too slow as a correction can say."""
+        if replica.checked >= self.params.min_checked or replica.in_flight:
             return False
         low = CORRECTION_RANGE[0]
         best = replace(replica.idle(), ttft_correction=low, tpot_correction=low)
