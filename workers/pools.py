@@ -84,11 +84,10 @@ class _Rate:
 def _sequence_steps(delta: SpecCounters, load: VllmLoad, previous: VllmLoad | None) -> float:
     """How many decode steps the replica's sequences ran between two scrapes: each emits a token of
     its own and the drafts it accepted, so the tokens generated (less the first tokens, which the
-    prompts' steps emit) less the accepted ones. A proposer that
-    drafts only where it finds a match (n-gram) also runs steps without drafts, which counting the
-    drafts would miss (and so overrate its tokens per step). Without a generation counter that
-    adds up (every drafting step emits its own token besides those accepted): the drafts; none
-    across a counter reset."""
+    prompts' steps emit) less the accepted ones. A proposer that drafts only where it finds a match
+    (n-gram) also runs steps without drafts, which counting the drafts would miss (and so overrate
+    its tokens per step). Without a generation counter that adds up (every drafting step emits its
+    own token besides those accepted): the drafts; none across a counter reset."""
     generated = None
     if previous is not None and previous.generation_tokens is not None and load.generation_tokens is not None:
         generated = load.generation_tokens - previous.generation_tokens
