@@ -1,7 +1,7 @@
 """The simulated replica against the real CPU vLLM servers it was calibrated on.
 
     specgate bench cpu-fidelity [--sweep full|quick] [--concurrency 1,2,4,8] [--prompt-tokens 256]
-                                [--output-tokens 32] [--rounds 3] [--out docs/bench/cpu-fidelity]
+                                [--output-tokens 64] [--rounds 3] [--out docs/bench/cpu-fidelity]
 
 Starts one n-gram speculative and one plain vLLM server of SmolLM2-135M-Instruct on this CPU
 (scripts/setup-vllm), calibrates them (`specgate calibrate`), and measures each at every
