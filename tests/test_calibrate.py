@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specgate.bench.calibrate import QUICK, Timing, calibrate, steady_step_s
+from specgate.bench.calibrate import QUICK, Drafting, Timing, calibrate, steady_step_s
 from specgate.bench.cpu_fidelity import Workload, measure
 from specgate.calibration import profile_file
 from specgate.calibration.costs import Batch, DraftCost, LinearStepModel
@@ -18,6 +18,7 @@ from specgate.calibration.profiles import H100_LLAMA31_8B, PROFILES
 from specgate.cli import main
 from specgate.policies.latency_model import LatencyModel
 from specgate.testing import start_sim, stop_process
+from specgate.workers.acceptance import SpecCounters
 
 TRUE_STEPS = LinearStepModel(base_ms=9.0, per_token_us=35.0, per_kv_token_ns=60.0, step_overhead_ms=0.0)
 TRUE_DRAFT = DraftCost(step_fixed_ms=2.0, pass_per_seq_us=40.0, prefill_fixed_ms=1.0, prefill_per_token_us=5.0)
@@ -173,3 +174,15 @@ def test_a_profile_file_keeps_the_costs_per_kind_of_token(tmp_path: Path) -> Non
     assert profile_file.loads(raw).profile.steps == steps
     plain = replace(ODD, name="one-kind")  # a model without them writes no such fields
     assert b"per_verify_token_us" not in profile_file.dumps(plain, "test", datetime.date(2026, 12, 1))
+
+
+def test_acceptance_counts_the_steps_that_did_not_draft() -> None:
+    """An n-gram proposer drafts only where it finds a match: 200 decode steps, 100 of them
+    drafting 5 tokens and accepting 3 each, emit 500 tokens, 2.5 a step, not 1 + 300 / 100 = 4."""
+    counters = SpecCounters(100, 500, 300, (100, 100, 100, 0, 0))
+    k_of_5 = acceptance_from_tokens_per_step(2.5, 5)
+    assert Drafting(counters, generated=510.0).decoded(10).acceptance() == pytest.approx((k_of_5, 5))
+    # without a generation counter, or one that does not add up: per draft
+    per_draft = acceptance_from_tokens_per_step(4.0, 5)
+    assert Drafting(counters).acceptance() == pytest.approx((per_draft, 5))
+    assert Drafting(counters, generated=300.0).acceptance() == pytest.approx((per_draft, 5))
