@@ -48,7 +48,7 @@ from specgate.calibration.fit import (
 )
 from specgate.calibration.profile_file import ProfileFile
 from specgate.calibration.profiles import Profile
-from specgate.workers.acceptance import SpecCounters
+from specgate.workers.acceptance import SpecCounters, decode_steps
 from specgate.workers.scrape import parse_vllm_metrics
 
 
@@ -134,15 +134,12 @@ class Drafting:
 
     def acceptance(self) -> tuple[float, int]:
         """The per-token acceptance and k of a proposer drafting k tokens every step that emits as
-        many tokens a step as these counters show. vLLM counts acceptances per draft position, k of
-        them; an n-gram proposer drafts only in the steps where it finds a match, so the steps are
-        the generated tokens less the accepted ones (each step emits one token of its own), not
-        the drafts."""
+        many tokens a step as these counters show (over the decode steps, not the drafts: an n-gram
+        proposer drafts only where it finds a match). vLLM counts acceptances per draft position, k
+        of them."""
         c = self.counters
         k = len(c.accepted_per_pos) or max(round(c.draft_tokens / c.drafts), 1)
-        steps = c.drafts
-        if self.generated is not None and self.generated >= c.drafts + c.accepted_tokens:
-            steps = self.generated - c.accepted_tokens
+        steps = decode_steps(c, self.generated) or c.drafts
         return acceptance_from_tokens_per_step(1.0 + c.accepted_tokens / steps, k), k
 
 

@@ -72,3 +72,16 @@ def acceptance(delta: SpecCounters) -> Acceptance | None:
         per_token_alpha=_per_token_alpha(delta.drafts, delta.accepted_per_pos),
         drafts=delta.drafts,
     )
+
+
+def decode_steps(delta: SpecCounters, generated: float | None) -> float:
+    """How many decode steps the sequences ran over an interval, given the tokens they generated in
+    it (their first tokens, which the prompts' steps emit, left out): each step emits a token of its
+    own and the drafts it accepted, so the generated tokens less the accepted ones. A proposer that
+    drafts only where it finds a match (n-gram) also runs steps without drafts, which counting the
+    drafts would miss (and so overrate its tokens per step). Without a generation count that adds
+    up (every drafting step emits its own token besides those accepted): the drafts; none across a
+    counter reset."""
+    if generated is None or generated < delta.drafts + delta.accepted_tokens:
+        return float(delta.drafts) if acceptance(delta) is not None else 0.0
+    return generated - delta.accepted_tokens

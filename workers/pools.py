@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from specgate.calibration.modes import Pool
-from specgate.workers.acceptance import SpecCounters, acceptance
+from specgate.workers.acceptance import SpecCounters, decode_steps
 from specgate.workers.health import Health
 from specgate.workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
 from specgate.workers.snapshot import CORRECTION_RANGE, ReplicaState, Snapshot
@@ -82,20 +82,14 @@ class _Rate:
 
 
 def _sequence_steps(delta: SpecCounters, load: VllmLoad, previous: VllmLoad | None) -> float:
-    """How many decode steps the replica's sequences ran between two scrapes: each emits a token of
-    its own and the drafts it accepted, so the tokens generated (less the first tokens, which the
-    prompts' steps emit) less the accepted ones. A proposer that drafts only where it finds a match
-    (n-gram) also runs steps without drafts, which counting the drafts would miss (and so overrate
-    its tokens per step). Without a generation counter that adds up (every drafting step emits its
-    own token besides those accepted): the drafts; none across a counter reset."""
+    """The decode steps between two scrapes (`acceptance.decode_steps`), from the generated tokens
+    less the first tokens, which vLLM's TTFT histogram counts."""
     generated = None
     if previous is not None and previous.generation_tokens is not None and load.generation_tokens is not None:
         generated = load.generation_tokens - previous.generation_tokens
         if previous.first_tokens is not None and load.first_tokens is not None:
             generated -= load.first_tokens - previous.first_tokens  # the prefills' tokens
-    if generated is None or generated < delta.drafts + delta.accepted_tokens:
-        return float(delta.drafts) if acceptance(delta) is not None else 0.0
-    return generated - delta.accepted_tokens
+    return decode_steps(delta, generated)
 
 
 def _ewma(old: float | None, new: float, weight: float) -> float:
