@@ -3,8 +3,8 @@
 Discrete-event: requests arrive as the (rate-scaled) trace says; each replica is the same engine
 model the simulated replica serves (`workers.sim.engine`); routing is the same policy code the
 gateway runs, deciding on the same `Fleet` accounting — scraped load refreshed only every scrape
-interval (stale, as in production) plus the gateway's own exact in-flight counts, and the latency
-corrections and learned output lengths fed by the requests that finish.
+interval (stale, as in production) plus the gateway's own exact in-flight counts, and the pools'
+fitted step costs and learned output lengths fed by the requests that finish.
 
 The policy never sees a request's true output length: requests carry a realistic `max_tokens`
 cap, and only the `exact` hint scenario hands the true length over as the client's hint.
@@ -304,7 +304,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             request, _, decision, held = routed.pop(done.request_id)
             replica.finished(got_first_byte=True)
             assert done.ttft is not None
-            replica.observe(done.ttft, done.tpot, *decision.predicted_s)
+            replica.observe(done.ttft, done.tpot, decision.terms)
             lengths.observe(MODEL, request.prompt_tokens, done.output_tokens, request.request_class)
             slo = scenario.slo_for(request.request_class)
             served.append(

@@ -2,8 +2,8 @@
 
 After every request: the request counter by pool, reason and status (the gateway's own refusals
 and errors included), the access log line when it is on, and, from a successful answer, the
-output length for its group, the replica's observed TTFT and TPOT with the corrections of the
-latency model, on a speculative replica the speedup of the request's group over the pool's mean
+output length for its group, the replica's observed TTFT and TPOT and the re-fit of its pool's
+step costs, on a speculative replica the speedup of the request's group over the pool's mean
 acceptance, the latency histograms, the prediction error and the SLO outcome.
 """
 
@@ -44,8 +44,8 @@ class Feedback:
                 features.model, features.prompt_tokens, outcome.completion_tokens, headers.request_class
             )
         if outcome.streamed:
-            predicted_ttft_s, predicted_tpot_s = decision.predicted_s
-            replica.observe(outcome.ttft_s, outcome.tpot_s, predicted_ttft_s, predicted_tpot_s)
+            _, predicted_tpot_s = decision.predicted_s
+            replica.observe(outcome.ttft_s, outcome.tpot_s, decision.terms)
             if replica.pool is Pool.SPECULATIVE and outcome.tpot_s is not None and predicted_tpot_s is not None:
                 self.drafts.observe(journey.draft_group, predicted_tpot_s, features.draft_speedup, outcome.tpot_s)
             if outcome.ttft_s is not None:

@@ -10,7 +10,7 @@ best-effort where it costs the other requests' SLOs least: on a replica whose re
 late, else on the least-violating one. Under overload this keeps the replicas that still meet their
 SLOs meeting them, rather than spreading the overload until every replica misses. A small,
 deterministic share of requests goes to the best feasible replica of the other pool, so the
-corrections of the pool that is chosen less keep learning.
+fitted step costs of the pool that is chosen less keep learning.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from specgate.policies.decision import Decision, Hold, Shed, Shedding, Verdict, 
 from specgate.policies.features import RequestFeatures
 from specgate.policies.latency_model import LatencyModel, Prediction
 from specgate.validation import Fraction
-from specgate.workers.snapshot import CORRECTION_RANGE, ReplicaState, Snapshot
+from specgate.workers.snapshot import ReplicaState, Scales, Snapshot
 
 
 class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -124,7 +124,7 @@ class Adaptive:
                 return self._decision(best, "best-chance")
             return Hold("queued")  # one may soon: wait in the gateway, not in a replica's queue
         if not features.waited_ms and admission.refuse_infeasible:
-            # A prediction not yet seen measured refuses only what no correction could bring within
+            # A prediction not yet seen measured refuses only what no fitted scale could bring within
             # reach: a profile of other hardware can be off by half, and refusing on it would keep it
             # so. Otherwise an idle replica whose predictions rest on the least serves the request
             # best-effort, and its answer corrects them.
@@ -145,11 +145,10 @@ class Adaptive:
     def _could_correct(self, replica: ReplicaState, features: RequestFeatures) -> bool:
         """Too few of the replica's pool's predictions seen measured to trust them, nothing of ours
         on it (one request at a time checks them, as a half-open circuit probes), and the request
-        could meet its SLOs there idle, were they as far too slow as a correction can say."""
+        could meet its SLOs there idle, were the profile as far too slow as the fit can say."""
         if replica.checked >= self.params.min_checked or replica.in_flight:
             return False
-        low = CORRECTION_RANGE[0]
-        best = replace(replica.idle(), ttft_correction=low, tpot_correction=low)
+        best = replace(replica.idle(), scales=Scales.lowest())
         return self.chance(self.model.predict(best, features), features.remaining_ttft_ms, features.slo_tpot_ms) > 0
 
     def _best_effort(self, options: list[_Option]) -> Decision:
@@ -172,4 +171,4 @@ class Adaptive:
     @staticmethod
     def _decision(option: _Option, reason: str, best_effort: bool = False) -> Decision:
         p = option.prediction
-        return Decision(option.replica, reason, p.ttft_ms, p.tpot_ms, option.chance, best_effort)
+        return Decision(option.replica, reason, p.ttft_ms, p.tpot_ms, option.chance, best_effort, p.terms)

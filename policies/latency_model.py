@@ -18,8 +18,10 @@ For the replica a request would join, with B requests already there:
   all of them, and every later step is slower by the rise in step time from B to B + 1, for as
   many steps as this request stays; summed over the B requests.
 
-Each replica's TTFT and TPOT are then multiplied by its smoothed observed/predicted ratios, so a
-profile that is off converges to what the replica really does.
+Each step is priced as the profile's fixed, decode and prefill parts, each scaled by what the
+pool's measured answers show (`workers/latency_fit.py`), and TTFT adds the time before the first
+token that no step accounts for: a profile that is off, even in its shape, converges to what the
+replica really does. The prediction carries its terms, for that fit.
 """
 
 from __future__ import annotations
@@ -33,7 +35,21 @@ from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import Profile
 from specgate.policies.features import RequestFeatures
 from specgate.policies.length import PRIORS, band
+from specgate.workers.latency_fit import Terms
 from specgate.workers.snapshot import ReplicaState
+
+Vector = tuple[float, float, float]
+"""Steps priced by the profile, as their fixed, decode and prefill parts."""
+_NONE: Vector = (0.0, 0.0, 0.0)
+
+
+def _sum(a: Vector, b: Vector) -> Vector:
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+
+
+def _scaled(a: Vector, factor: float) -> Vector:
+    return a[0] * factor, a[1] * factor, a[2] * factor
+
 
 MAX_PREFILL_SHARE = 0.9
 STEP_SPREAD = 0.03
@@ -70,6 +86,8 @@ class Prediction:
     max_output_tokens: int | None = None
     output_tokens: int = 1
     """The output length the prediction assumed."""
+    terms: tuple[Terms, Terms] = ((0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0, 0.0))
+    """TTFT and TPOT as the profile prices them, term by term (`workers/latency_fit.py`)."""
 
     def completion_ms(self, output_tokens: int) -> float:
         return self.ttft_ms + max(output_tokens - 1, 0) * self.tpot_ms
@@ -135,53 +153,74 @@ class LatencyModel:
         capacity = self.profile.spec.kv_capacity_tokens if spec else self.profile.kv_capacity_tokens
         return max(replica.kv_usage * capacity / batch, 1.0)
 
+    def _terms(self, pool: Pool, decode_seqs: int, context: float, prefill_tokens: int = 0) -> Vector:
+        """One step as the profile prices it, split into its fixed part (a step of one sequence at
+        no context), what its decoding sequences and their contexts add, and what its prompt
+        tokens add: the terms the fleet's answers scale (`workers/latency_fit.py`)."""
+        fixed = self.step_ms(pool, 1, 0)
+        decode = self.step_ms(pool, decode_seqs, context)
+        full = self.step_ms(pool, decode_seqs, context, prefill_tokens) if prefill_tokens else decode
+        return fixed, decode - fixed, full - decode
+
     def predict(self, replica: ReplicaState, features: RequestFeatures) -> Prediction:
         pool = replica.pool
+        scales = replica.scales
         prompt = max(features.prompt_tokens, 1)
         output = self.expected_output(features)
         batch = min(max(round(replica.load), 0), self.max_num_seqs - 1)
         context = self._mean_context(replica, batch, prompt + output / 2)
         k = self.profile.spec.num_speculative_tokens if pool is Pool.SPECULATIVE else 0
 
-        decode_ms = self.step_ms(pool, batch, context) if batch else 0.0
+        decode = self._terms(pool, batch, context) if batch else _NONE
+        decode_ms = scales.step_ms(decode)
         chunk = max(self.max_num_batched_tokens - batch * (1 + k), 1)
 
-        def prefill_ms(tokens: int) -> float:
+        def prefill(tokens: int) -> Vector:
             full_steps, last = divmod(tokens, chunk)
-            ms = full_steps * self.step_ms(pool, batch, context, chunk) if full_steps else 0.0
-            return ms + (self.step_ms(pool, batch, context, last) if last else 0.0)
+            terms = _scaled(self._terms(pool, batch, context, chunk), full_steps) if full_steps else _NONE
+            return _sum(terms, self._terms(pool, batch, context, last)) if last else terms
 
-        ttft = 0.5 * decode_ms + prefill_ms(max(replica.prefill_tokens, 0) + prompt)
+        ttft_terms = _sum(_scaled(decode, 0.5), prefill(max(replica.prefill_tokens, 0) + prompt))
+        ttft_ms = scales.step_ms(ttft_terms) + scales.overhead_ms
 
-        joined = self.step_ms(pool, batch + 1, context)
+        joined = self._terms(pool, batch + 1, context)
+        joined_ms = scales.step_ms(joined)
         if pool is Pool.SPECULATIVE:
             pool_mean = replica.tokens_per_step or self.profile.spec.expected_tokens_per_step()
             tokens_per_step = max(pool_mean * features.draft_speedup, 1.0)  # this request's own acceptance
         else:
             tokens_per_step = 1.0
-        correction = replica.tpot_correction
-        # What prefilling one prompt token costs the decoding batch, in the replica's real time:
-        # the rate of prompts is measured in real time too.
-        per_token_ms = max(self.step_ms(pool, batch + 1, context, prompt) - joined, 0.0) / prompt * correction
+        # What prefilling one prompt token costs the decoding batch, as the profile prices it: the
+        # rate of prompts is measured in real time, and the prefill scale brings it there.
+        per_token_ms = self._terms(pool, batch + 1, context, prompt)[2] / prompt
         arriving = replica.prefill_tokens_per_s / replica.arrivals_per_s if replica.arrivals_per_s > 0 else prompt
-        stall_ms = arriving * per_token_ms
-        decode_tpot = joined / tokens_per_step * correction
-        ttft_ms = ttft * replica.ttft_correction
+        stall_ms = arriving * per_token_ms * scales.prefill
+        decode_tpot = joined_ms / tokens_per_step
         gaps = max(output - 1, 1)
         # Prompts arriving while this request waits for its first token, and while it decodes,
         # each stall its decoding once: at the replica's recent rate, over a life that the stalls
         # themselves lengthen (so TPOT is divided by 1 - the share of time spent prefilling).
         rate = replica.arrivals_per_s
         share = min(rate * stall_ms / 1e3, MAX_PREFILL_SHARE)
-        tpot = (decode_tpot + rate * ttft_ms / 1e3 * stall_ms / gaps) / (1.0 - share)
+        queued_stalls = rate * ttft_ms / 1e3 * arriving * per_token_ms / gaps  # times the prefill scale
+        tpot = (decode_tpot + queued_stalls * scales.prefill) / (1.0 - share)
+        # TPOT term by term, the stalls' share held where it is: what the scales' fit needs.
+        per_gap = 1.0 / (1.0 - share)
+        tpot_terms = (
+            joined[0] / tokens_per_step * per_gap,
+            joined[1] / tokens_per_step * per_gap,
+            (joined[2] / tokens_per_step + queued_stalls) * per_gap,
+            0.0,
+        )
         stalls = rate * (ttft_ms + tpot * gaps) / 1e3
         stay_steps = math.ceil(output / tokens_per_step)
-        stall = prefill_ms(prompt) - decode_ms * math.ceil(prompt / chunk)  # what this prompt does to others
-        harm = batch * (max(stall, 0.0) + max(joined - decode_ms, 0.0) * stay_steps) if batch else 0.0
+        # what this prompt does to the others
+        stall = scales.step_ms(prefill(prompt)) - decode_ms * math.ceil(prompt / chunk)
+        harm = batch * (max(stall, 0.0) + max(joined_ms - decode_ms, 0.0) * stay_steps) if batch else 0.0
         return Prediction(
             ttft_ms=ttft_ms,
             tpot_ms=tpot,
-            harm_ms=harm * correction,
+            harm_ms=harm,
             decode_tpot_ms=decode_tpot,
             stall_ms=stall_ms,
             stalls=stalls,
@@ -190,6 +229,7 @@ class LatencyModel:
             output_spread=0.0 if features.output_hinted else OUTPUT_SPREAD,
             max_output_tokens=features.max_tokens,
             output_tokens=output,
+            terms=((*ttft_terms, 1.0), tpot_terms),
         )
 
     @cached_property

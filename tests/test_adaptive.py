@@ -16,7 +16,7 @@ from specgate.policies.latency_model import LatencyModel
 from specgate.policies.registry import POLICY_NAMES, Knobs, build_policy
 from specgate.validation import Invalid
 from specgate.workers.pools import FleetSettings, Replica
-from specgate.workers.snapshot import ReplicaState, Snapshot
+from specgate.workers.snapshot import ReplicaState, Scales, Snapshot
 
 MODEL = LatencyModel(A100_CODELLAMA_34B)
 FEATURES = RequestFeatures(
@@ -153,7 +153,7 @@ def test_bad_adaptive_parameters(params: dict[str, object], field: str) -> None:
 
 
 replica_states = st.builds(
-    lambda name, pool, healthy, in_flight, prefill, rate, running, kv, tps, c1, c2: state(
+    lambda name, pool, healthy, in_flight, prefill, rate, running, kv, tps, scales: state(
         name,
         pool,
         in_flight,
@@ -165,8 +165,7 @@ replica_states = st.builds(
         waiting=0.0 if running is not None else None,
         kv_usage=kv,
         tokens_per_step=tps,
-        ttft_correction=c1,
-        tpot_correction=c2,
+        scales=scales,
     ),
     st.sampled_from(["a", "b", "c", "d"]),
     st.sampled_from(list(Pool)),
@@ -177,8 +176,7 @@ replica_states = st.builds(
     st.one_of(st.none(), st.floats(0, 5000)),
     st.one_of(st.none(), st.floats(0, 1)),
     st.one_of(st.none(), st.floats(0, 10)),
-    st.floats(0.2, 5),
-    st.floats(0.2, 5),
+    st.builds(Scales, st.floats(0.2, 5), st.floats(0.2, 5), st.floats(0.2, 5), st.floats(0, 1000)),
 )
 features = st.builds(
     lambda prompt, out, max_tokens, ttft, tpot, seq, prio: replace(

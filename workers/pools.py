@@ -22,8 +22,9 @@ import aiohttp
 from specgate.calibration.modes import Pool
 from specgate.workers.acceptance import SpecCounters, decode_steps
 from specgate.workers.health import Health
+from specgate.workers.latency_fit import LatencyFit, Terms
 from specgate.workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
-from specgate.workers.snapshot import CORRECTION_RANGE, ReplicaState, Snapshot
+from specgate.workers.snapshot import ReplicaState, Snapshot
 
 _log = logging.getLogger(__name__)
 
@@ -47,8 +48,10 @@ class FleetSettings:
     """A replica with requests in flight whose token counters stand still this long is ejected."""
     smoothing: float = 0.2
     """Weight of the newest observation in the smoothed TTFT and TPOT."""
-    correction_smoothing: float = 0.05
-    """Weight of the newest observed/predicted ratio in the latency model's per-replica correction."""
+    fit_window: float = 300.0
+    """Over about how many recent answers each pool's step costs are re-fitted."""
+    fit_prior_weight: float = 1.0
+    """As how many answers the profile's own step costs count in that fit."""
     rate_window_s: float = 10.0
     """Time constant of the smoothed rate of prompts (and their tokens) sent to each replica."""
     burst_window_s: float = 2.0
@@ -98,22 +101,10 @@ def _ewma(old: float | None, new: float, weight: float) -> float:
 
 MAX_BUSY_S = 30.0
 """The longest a replica's 429 (and its Retry-After) keeps requests away from it."""
-# A single observation moves a correction at most this far (a factor of 2), so one outlier
-# (a request stuck behind a preemption) cannot wreck the model.
-_MAX_STEP = math.log(2.0)
-
-
-def _corrected(correction: float, observed: float, predicted: float, weight: float) -> float:
-    """Move a multiplicative correction toward observed/predicted, in log space."""
-    if observed <= 0 or predicted <= 0:
-        return correction
-    step = max(-_MAX_STEP, min(_MAX_STEP, math.log(observed / predicted)))
-    low, high = CORRECTION_RANGE
-    return min(max(correction * math.exp(weight * step), low), high)
 
 
 class Replica:
-    def __init__(self, name: str, url: str, pool: Pool, settings: FleetSettings) -> None:
+    def __init__(self, name: str, url: str, pool: Pool, settings: FleetSettings, fit: LatencyFit | None = None) -> None:
         self.name = name
         self.url = url.rstrip("/")
         self.pool = pool
@@ -141,10 +132,8 @@ class Replica:
         self.recent_accepted = 0.0
         self.observed_ttft_s: float | None = None
         self.observed_tpot_s: float | None = None
-        self.ttft_correction = 1.0
-        self.tpot_correction = 1.0
-        self.checked = 0
-        """Predictions seen measured: how much the corrections rest on."""
+        self.fit = fit if fit is not None else LatencyFit(settings.fit_window, settings.fit_prior_weight)
+        """The step costs of its pool, re-fitted from the answers of all its replicas."""
         self._rates = (_Rate(self.settings.rate_window_s), _Rate(self.settings.burst_window_s))
         self._dispatched_at_scrape = 0
         self._last_spec: SpecCounters | None = None
@@ -181,25 +170,18 @@ class Replica:
         if not got_first_byte:
             self.first_byte(prompt_tokens)
 
-    def observe(
-        self,
-        ttft_s: float | None,
-        tpot_s: float | None,
-        predicted_ttft_s: float | None = None,
-        predicted_tpot_s: float | None = None,
-    ) -> None:
-        """Record what a request saw; with the predictions it was routed on, correct the model."""
-        w, wc = self.settings.smoothing, self.settings.correction_smoothing
+    def observe(self, ttft_s: float | None, tpot_s: float | None, terms: tuple[Terms, Terms] | None = None) -> None:
+        """Record what a request saw; with the terms of the predictions it was routed on, re-fit
+        the pool's step costs."""
+        w = self.settings.smoothing
         if ttft_s is not None:
             self.observed_ttft_s = _ewma(self.observed_ttft_s, ttft_s, w)
-            if predicted_ttft_s is not None:
-                self.ttft_correction = _corrected(self.ttft_correction, ttft_s, predicted_ttft_s, wc)
         if tpot_s is not None:
             self.observed_tpot_s = _ewma(self.observed_tpot_s, tpot_s, w)
-            if predicted_tpot_s is not None:
-                self.tpot_correction = _corrected(self.tpot_correction, tpot_s, predicted_tpot_s, wc)
-        if predicted_ttft_s is not None or predicted_tpot_s is not None:
-            self.checked += 1
+        if terms is not None and (ttft_s is not None or tpot_s is not None):
+            self.fit.observe(
+                ttft_s * 1e3 if ttft_s is not None else None, tpot_s * 1e3 if tpot_s is not None else None, *terms
+            )
 
     # --- health -------------------------------------------------------------------------------
 
@@ -264,14 +246,7 @@ class Replica:
             self._progress = (counters, now)
             self._ejected(hung=True)
 
-    def state(
-        self,
-        now: float,
-        ttft_correction: float | None = None,
-        tpot_correction: float | None = None,
-        tokens_per_step: float | None = None,
-        checked: int | None = None,
-    ) -> ReplicaState:
+    def state(self, now: float, tokens_per_step: float | None = None) -> ReplicaState:
         load = self.load
         arrivals_per_s, prefill_tokens_per_s = self.prompt_rates(now)
         age = (now - self.scraped_at) if self.scraped_at is not None else None
@@ -294,9 +269,8 @@ class Replica:
             scrape_age_s=age,
             observed_ttft_s=self.observed_ttft_s,
             observed_tpot_s=self.observed_tpot_s,
-            ttft_correction=self.ttft_correction if ttft_correction is None else ttft_correction,
-            tpot_correction=self.tpot_correction if tpot_correction is None else tpot_correction,
-            checked=self.checked if checked is None else checked,
+            scales=self.fit.scales,
+            checked=self.fit.answers,
             max_model_len=self.max_model_len,
         )
 
@@ -327,14 +301,17 @@ class Fleet:
     def __init__(self, pools: dict[Pool, list[str]], settings: FleetSettings) -> None:
         self.settings = settings
         self.replicas: dict[str, Replica] = {}
+        self.fits = {pool: LatencyFit(settings.fit_window, settings.fit_prior_weight) for pool in pools}
+        """Each pool's step costs, re-fitted from the answers of all its replicas."""
         prefix = {Pool.SPECULATIVE: "spec", Pool.PLAIN: "plain"}
         for pool, urls in pools.items():
             for i, url in enumerate(urls):
                 name = f"{prefix[pool]}-{i}"
-                self.replicas[name] = Replica(name, url, pool, settings)
+                self.replicas[name] = Replica(name, url, pool, settings, self.fits[pool])
 
     def snapshot(self, now: float) -> Snapshot:
-        """Every replica's state; latency corrections and acceptance are pooled per pool.
+        """Every replica's state; step costs (the fits are the pool's) and acceptance are pooled
+        per pool.
 
         Replicas of one pool run the same engine on the same hardware and serve the same mix of
         requests, so what one teaches about the model holds for all. Per-replica figures learned
@@ -343,18 +320,11 @@ class Fleet:
         """
         sums: dict[Pool, list[float]] = {}
         for r in self.replicas.values():
-            total = sums.setdefault(r.pool, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
-            total[0] += r.ttft_correction
-            total[1] += r.tpot_correction
-            total[2] += 1
-            total[3] += r.recent_steps
-            total[4] += r.recent_accepted
-            total[5] += r.checked
-        pooled = {
-            pool: (ttft / n, tpot / n, 1.0 + accepted / steps if steps > 0 else None, int(checked))
-            for pool, (ttft, tpot, n, steps, accepted, checked) in sums.items()
-        }
-        return Snapshot(tuple(r.state(now, *pooled[r.pool]) for r in self.replicas.values()))
+            total = sums.setdefault(r.pool, [0.0, 0.0])
+            total[0] += r.recent_steps
+            total[1] += r.recent_accepted
+        pooled = {pool: 1.0 + accepted / steps if steps > 0 else None for pool, (steps, accepted) in sums.items()}
+        return Snapshot(tuple(r.state(now, pooled[r.pool]) for r in self.replicas.values()))
 
     @staticmethod
     def scrape_age(replica: Replica) -> float:

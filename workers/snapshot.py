@@ -8,7 +8,32 @@ from dataclasses import dataclass, replace
 from specgate.calibration.modes import Pool
 
 CORRECTION_RANGE = (0.2, 5.0)
-"""How far observed over predicted latency may correct a prediction, either way."""
+"""How far the fleet's measurements may scale a term of the profile's step cost, either way."""
+
+
+@dataclass(frozen=True)
+class Scales:
+    """The profile's step cost as the fleet measures it: each term of a step's time scaled by what
+    the pool's answers show (`workers/latency_fit.py`), and a fixed time before any first token
+    that no engine step accounts for (the server's HTTP, tokenization and scheduling)."""
+
+    fixed: float = 1.0
+    """The cost of a step with one sequence at no context: launch, scheduling, sampling."""
+    decode: float = 1.0
+    """What more sequences, and their contexts, add to a step."""
+    prefill: float = 1.0
+    """What a step's prompt tokens add to it."""
+    overhead_ms: float = 0.0
+
+    def step_ms(self, terms: tuple[float, float, float]) -> float:
+        """A step (or a sum of steps) given as its profile-priced fixed, decode and prefill parts."""
+        return self.fixed * terms[0] + self.decode * terms[1] + self.prefill * terms[2]
+
+    @classmethod
+    def lowest(cls) -> Scales:
+        """As fast as the fleet may say the profile's replicas are."""
+        low = CORRECTION_RANGE[0]
+        return cls(low, low, low, 0.0)
 
 
 @dataclass(frozen=True)
@@ -42,11 +67,10 @@ class ReplicaState:
     observed_ttft_s: float | None
     """Smoothed TTFT the gateway observed on this replica."""
     observed_tpot_s: float | None
-    ttft_correction: float = 1.0
-    """Observed over predicted TTFT on this replica, smoothed: multiplies the model's prediction."""
-    tpot_correction: float = 1.0
+    scales: Scales = Scales()
+    """The pool's step costs against its profile's, fitted from the answers the gateway measured."""
     checked: int = 0
-    """How many of the pool's predictions the gateway has seen measured (the corrections' evidence)."""
+    """How many of the pool's predictions the gateway has seen measured (the scales' evidence)."""
     max_model_len: int | None = None
     """The replica's context window (its /v1/models), once read."""
     weight: float = 1.0

@@ -1,0 +1,167 @@
+"""A pool's step costs, re-fitted online from the answers the gateway measures.
+
+The latency model prices every prediction from the profile's step costs, and says how much of it
+is each term (`policies/latency_model.py`): of the steps a request waits through before its first
+token, and of the steps between its tokens, how much is a step's fixed cost, how much the decoding
+sequences and their contexts add, and how much prompt tokens add. What the replica really does is
+that sum with each term scaled by what the profile got wrong, plus, before the first token, a fixed
+time no engine step accounts for (the server's HTTP, tokenization, scheduling). The scales are the
+least-squares fit of the pool's recent answers:
+
+- in relative errors: each equation is divided by its prediction, so a 2 s TTFT and a 20 ms TPOT
+  weigh alike;
+- recent ones: each answer weighs 1 - 1/window less than the next, so the fit follows a fleet that
+  changes (a replica restarted with other flags, other traffic);
+- bounded: an answer over twice or under half its prediction counts as that bound (one request
+  stuck behind a preemption cannot wreck the fit), and each scale stays within CORRECTION_RANGE;
+- from the profile's shape: a prior as heavy as `prior_weight` answers holds the three scales
+  together, and lightly at 1, and the overhead at 0, until the answers say otherwise; so terms
+  the traffic cannot tell apart (every request alone on its replica: the fixed and the decode
+  cost move together) keep the profile's split between them, at the level the answers show.
+
+Each answer is fitted against the profile's own terms, not against a prediction already corrected:
+what the fit said before cannot feed back into what it learns next.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specgate.workers.snapshot import CORRECTION_RANGE, Scales
+
+TERMS = ("fixed", "decode", "prefill", "overhead_ms")
+Terms = tuple[float, float, float, float]
+"""A prediction as the profile prices it, term by term: the fixed, decode and prefill parts of its
+steps, and 1 where the overhead before the first token adds to it (a TTFT), else 0."""
+
+LEVEL_PRIOR_SHARE = 0.1
+OVERHEAD_PRIOR_MS = 100.0
+"""The prior holds the overhead at 0 as firmly as `prior_weight` answers of this many ms would."""
+MAX_OVERHEAD_MS = 60_000.0
+_MAX_RATIO = 2.0
+
+
+def predicted_ms(scales: Scales, terms: Terms) -> float:
+    return scales.step_ms(terms[:3]) + scales.overhead_ms * terms[3]
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """What the fit says, for /metrics and /admin/fleet."""
+
+    scales: Scales
+    stderr: tuple[float, float, float, float]
+    """The standard error of each scale (and of the overhead, in ms), from the recent residuals."""
+    answers: int
+    ttft_error: float | None
+    """Root mean square of log(measured / predicted) over the recent TTFTs, each predicted with
+    the fit as it stood when it was measured; None before any."""
+    tpot_error: float | None
+
+
+class LatencyFit:
+    def __init__(self, window: float = 300.0, prior_weight: float = 1.0) -> None:
+        self._keep = 1.0 - 1.0 / window
+        # The prior, as a quadratic penalty (θ - θ0)ᵀ R (θ - θ0): the three scales apart from their
+        # mean (the profile's shape) weigh `prior_weight` answers, their common level
+        # LEVEL_PRIOR_SHARE of that (a profile of other hardware is off in level before shape),
+        # the overhead as set above.
+        shape, level = prior_weight, prior_weight * LEVEL_PRIOR_SHARE
+        self._prior = [[(shape * ((i == j) - 1 / 3) + level / 3) if i < 3 and j < 3 else 0.0 for j in range(4)]
+                       for i in range(4)]  # fmt: skip
+        self._prior[3][3] = prior_weight / OVERHEAD_PRIOR_MS**2
+        self._at_prior = [sum(self._prior[i][j] * (1.0, 1.0, 1.0, 0.0)[j] for j in range(4)) for i in range(4)]
+        """R θ0."""
+        self._xx = [[0.0] * 4 for _ in range(4)]
+        """Decayed sums over the answers of x xᵀ, x the relative terms."""
+        self._xy = [0.0] * 4
+        self._residual = (0.0, 0.0)
+        """Decayed sum of the squared relative residuals of the fit, and of their weights."""
+        self._errors: dict[str, tuple[float, float]] = {}
+        self.scales = Scales()
+        self.answers = 0
+        self._stderr = (0.0, 0.0, 0.0, 0.0)
+
+    def observe(self, ttft_ms: float | None, tpot_ms: float | None, ttft: Terms, tpot: Terms) -> None:
+        """One answer: its measured TTFT and TPOT (None when not measured), and the terms of its
+        predictions."""
+        rows = []
+        for kind, measured, terms in (("ttft", ttft_ms, ttft), ("tpot", tpot_ms, tpot)):
+            predicted = predicted_ms(self.scales, terms)
+            if measured is None or measured <= 0 or predicted <= 0 or not math.isfinite(measured):
+                continue
+            self._error(kind, math.log(measured / predicted))
+            bounded = min(max(measured, predicted / _MAX_RATIO), predicted * _MAX_RATIO)
+            rows.append(([t / predicted for t in terms], bounded / predicted))
+        if not rows:
+            return
+        keep = self._keep
+        for i in range(4):
+            self._xy[i] *= keep
+            for j in range(4):
+                self._xx[i][j] *= keep
+        for x, y in rows:
+            for i in range(4):
+                self._xy[i] += x[i] * y
+                for j in range(4):
+                    self._xx[i][j] += x[i] * x[j]
+        self.answers += 1
+        self._solve(rows)
+
+    def _error(self, kind: str, log_ratio: float) -> None:
+        total, weight = self._errors.get(kind, (0.0, 0.0))
+        self._errors[kind] = (total * self._keep + log_ratio * log_ratio, weight * self._keep + 1.0)
+
+    def _solve(self, rows: list[tuple[list[float], float]]) -> None:
+        a = [[self._xx[i][j] + self._prior[i][j] for j in range(4)] for i in range(4)]
+        b = [self._xy[i] + self._at_prior[i] for i in range(4)]
+        inverse = _inverse(a)
+        if inverse is None:
+            return
+        theta = [sum(inverse[i][j] * b[j] for j in range(4)) for i in range(4)]
+        low, high = CORRECTION_RANGE
+        self.scales = Scales(
+            min(max(theta[0], low), high),
+            min(max(theta[1], low), high),
+            min(max(theta[2], low), high),
+            min(max(theta[3], 0.0), MAX_OVERHEAD_MS),
+        )
+        total, weight = self._residual
+        for x, y in rows:
+            r = y - sum(x[i] * theta[i] for i in range(4))
+            total, weight = total * self._keep + r * r, weight * self._keep + 1.0
+        self._residual = (total, weight)
+        variance = total / weight
+        self._stderr = (
+            math.sqrt(variance * inverse[0][0]),
+            math.sqrt(variance * inverse[1][1]),
+            math.sqrt(variance * inverse[2][2]),
+            math.sqrt(variance * inverse[3][3]),
+        )
+
+    def report(self) -> FitReport:
+        def rms(kind: str) -> float | None:
+            total, weight = self._errors.get(kind, (0.0, 0.0))
+            return math.sqrt(total / weight) if weight > 0 else None
+
+        return FitReport(self.scales, self._stderr, self.answers, rms("ttft"), rms("tpot"))
+
+
+def _inverse(a: list[list[float]]) -> list[list[float]] | None:
+    """The inverse of a small symmetric positive definite matrix (Gauss-Jordan, partial pivoting);
+    None if it is singular."""
+    n = len(a)
+    m = [row[:] + [1.0 if i == j else 0.0 for j in range(n)] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        p = m[col][col]
+        m[col] = [v / p for v in m[col]]
+        for r in range(n):
+            if r != col and m[r][col] != 0.0:
+                f = m[r][col]
+                m[r] = [v - f * w for v, w in zip(m[r], m[col], strict=True)]
+    return [row[n:] for row in m]
