@@ -198,8 +198,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
 
     events: list[tuple[float, int, str, object]] = []
     order = itertools.count()
-    routed: dict[str, tuple[TraceRequest, str, Decision, float]] = {}
-    """Requests on a replica: the request, the replica, the decision, and how long it was held."""
+    routed: dict[str, tuple[TraceRequest, str, Decision, float, tuple[float, float]]] = {}
+    """Requests on a replica: the request, the replica, the decision, how long it was held, and
+    when it was sent with the replica's `busy_seconds` then."""
     waiting: dict[int, tuple[TraceRequest, RequestFeatures]] = {}
     queue: AdmissionQueue[int] = AdmissionQueue(document.admission)
     review_scheduled = False
@@ -259,7 +260,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             output_hinted=scenario.hint,
         )
         waiting[index] = (request, features)
-        settle(index, plan.decide(features, fleet.snapshot(now)), now)
+        settle(index, plan.decide(features, fleet.snapshot(now, plan.profile)), now)
 
     def settle(index: int, verdict: Verdict, now: float) -> None:
         request, features = waiting[index]
@@ -273,9 +274,10 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             refused[verdict.reason if verdict is not None else "no-replica"] += 1
             return
         name = verdict.replica.name
-        fleet.replicas[name].dispatched_one(request.prompt_tokens, now)
+        replica = fleet.replicas[name]
+        replica.dispatched_one(request.prompt_tokens, now)
         request_id = f"r{index}"
-        routed[request_id] = (request, name, verdict, now - request.arrival_s)
+        routed[request_id] = (request, name, verdict, now - request.arrival_s, (now, replica.busy_seconds(now)))
         output = min(request.output_tokens, max_tokens(profile, request.prompt_tokens))
         # The request accepts drafts as its content does, wherever it goes: every policy and every
         # split is measured on the same draws.
@@ -286,7 +288,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
 
     def review(now: float) -> None:
         if len(queue):
-            for index, verdict in queue.review(now, lambda _, f: plan.decide(f, fleet.snapshot(now))):
+            for index, verdict in queue.review(now, lambda _, f: plan.decide(f, fleet.snapshot(now, plan.profile))):
                 settle(index, verdict, now)
 
     def schedule_review(now: float) -> None:
@@ -301,10 +303,11 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             if out.first:
                 replica.first_byte(routed[out.request_id][0].prompt_tokens)
         for done in step.finished:
-            request, _, decision, held = routed.pop(done.request_id)
-            replica.finished(got_first_byte=True)
+            request, _, decision, held, (sent, busy) = routed.pop(done.request_id)
+            in_flight = replica.mean_in_flight(busy, sent, step.end)
+            replica.finished(got_first_byte=True, now=step.end)
             assert done.ttft is not None
-            replica.observe(done.ttft, done.tpot, decision.terms)
+            replica.observe(done.ttft, done.tpot, decision.terms, in_flight)
             lengths.observe(MODEL, request.prompt_tokens, done.output_tokens, request.request_class)
             slo = scenario.slo_for(request.request_class)
             served.append(

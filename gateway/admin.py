@@ -1,5 +1,9 @@
-"""The admin API: read and change the policy document.
+"""The admin API: the fleet as the gateway sees it; the policy document, read and changed.
 
+    GET /admin/fleet     every replica as the gateway sees it, and each pool's step costs as its
+                         answers re-fitted them: scales over the profile with their standard
+                         errors, the overhead before a first token, step and prefill times by the
+                         profile and as fitted, and how far recent predictions were off
     GET /admin/policy    the document in force, its version and who changed it, when and why
     PUT /admin/policy    a new document (the body); `If-Match: <version>` is required: the change
                          applies only if that is still the current version (409 otherwise), or
@@ -13,15 +17,20 @@ the routes do not exist (404). Errors are in the OpenAI shape; an invalid docume
 from __future__ import annotations
 
 import hmac
+import time
 
 import orjson
 from aiohttp import web
 
+from specgate.calibration.modes import Pool
 from specgate.gateway.errors import BadRequest, GatewayError, Unauthorized
 from specgate.gateway.policy_sync import STORE_ERRORS
-from specgate.gateway.state import POLICY, SETTINGS
+from specgate.gateway.state import FLEET, POLICY, SETTINGS
 from specgate.gateway.store import VersionConflict
 from specgate.policies.document import DocumentError, loads
+from specgate.policies.latency_model import LatencyModel
+from specgate.workers.latency_fit import LatencyFit
+from specgate.workers.snapshot import ReplicaState, Scales
 
 MAX_DOCUMENT_BYTES = 1024 * 1024
 MAX_REASON_CHARS = 500
@@ -95,6 +104,53 @@ async def put_policy(request: web.Request) -> web.Response:
     return _json({**applied.to_json(), "store": control.source})
 
 
+REFERENCE_CONTEXT = 1024
+REFERENCE_BATCHES = (1, 8, 32)
+REFERENCE_PROMPT = 1024
+
+
+def _fit(fit: LatencyFit, model: LatencyModel, pool: Pool) -> dict[str, object]:
+    report = fit.report()
+    scales = report.scales
+
+    def both(decode_seqs: int, prefill_tokens: int = 0) -> dict[str, float]:
+        def at(s: Scales) -> float:
+            ms = model.fitted_step_ms(pool, s, decode_seqs, REFERENCE_CONTEXT, prefill_tokens)
+            return ms - (model.fitted_step_ms(pool, s, 0, REFERENCE_CONTEXT) if prefill_tokens else 0.0)
+
+        return {"profile": round(at(Scales()), 4), "fitted": round(at(scales), 4)}
+
+    return {
+        "answers": report.answers,
+        "basis": fit.basis,
+        "scales": {term: round(getattr(scales, term), 4) for term in ("fixed", "decode", "prefill")},
+        "stderr": dict(zip(("fixed", "decode", "prefill"), (round(e, 4) for e in report.stderr), strict=False)),
+        "ttft_overhead_ms": round(scales.overhead_ms, 3),
+        "ttft_overhead_stderr_ms": round(report.stderr[3], 3),
+        "prediction_log_error": {"ttft": report.ttft_error, "tpot": report.tpot_error},
+        f"step_ms_at_context_{REFERENCE_CONTEXT}": {f"batch {b}": both(b) for b in REFERENCE_BATCHES},
+        f"prefill_ms_of_{REFERENCE_PROMPT}_tokens": both(0, REFERENCE_PROMPT),
+    }
+
+
+def _replica(r: ReplicaState) -> dict[str, object]:
+    return {
+        "name": r.name, "url": r.url, "pool": r.pool.value, "available": r.healthy, "in_flight": r.in_flight,
+        "running": r.running, "waiting": r.waiting, "kv_usage": r.kv_usage, "tokens_per_step": r.tokens_per_step,
+        "max_model_len": r.max_model_len, "scrape_age_s": r.scrape_age_s,
+    }  # fmt: skip
+
+
+async def get_fleet(request: web.Request) -> web.Response:
+    _authorize(request)
+    fleet, plan = request.app[FLEET], request.app[POLICY].plan
+    snapshot = fleet.snapshot(time.monotonic(), plan.profile)
+    replicas = [_replica(r) for r in snapshot.replicas]
+    pools = {pool.value: _fit(fit, plan.model, pool) for pool, fit in fleet.fits.items()}
+    return _json({"profile": plan.profile, "replicas": replicas, "pools": pools})
+
+
 def add_admin_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/fleet", get_fleet)
     app.router.add_get("/admin/policy", get_policy)
     app.router.add_put("/admin/policy", put_policy)

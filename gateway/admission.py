@@ -65,7 +65,7 @@ class AdmissionControl:
 
     def _decide(self, held: _Held, features: RequestFeatures) -> Verdict:
         try:
-            return held.journey.plan.decide(features, self.fleet.snapshot(time.monotonic()))
+            return held.journey.plan.decide(features, self.fleet.snapshot(time.monotonic(), held.journey.plan.profile))
         except Exception:  # a bug must fail this request (503), not leave it waiting for ever
             _log.exception("deciding for a held request failed")
             return None

@@ -74,6 +74,8 @@ class Outcome:
     tpot_s: float | None = None
     streamed: bool = False
     completion_tokens: int | None = None
+    in_flight: float | None = None
+    """The mean of the gateway's requests on the replica while it served this one."""
 
 
 class Attempt:
@@ -110,6 +112,7 @@ class Attempt:
         self.started = time.monotonic()
         body = await self._body()
         replica.dispatched_one(prompt, self.started)
+        busy = replica.busy_seconds(self.started)
         watchdog = Watchdog(self.timeouts.first_byte_s, self.timeouts.idle_s)
         replica.waiting.add(watchdog.fire)  # ejected meanwhile (hung, say): go elsewhere
         try:
@@ -137,7 +140,9 @@ class Attempt:
             raise
         finally:
             watchdog.stop()
-            replica.finished(got_first_byte=self._got_first_byte, prompt_tokens=prompt)
+            now = time.monotonic()
+            self.outcome.in_flight = replica.mean_in_flight(busy, self.started, now)
+            replica.finished(got_first_byte=self._got_first_byte, prompt_tokens=prompt, now=now)
 
     async def _body(self) -> bytes:
         """The request body for this replica: the client's, or the continuation of its stream."""

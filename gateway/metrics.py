@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from operator import attrgetter
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from specgate.workers.latency_fit import FitReport, LatencyFit
 from specgate.workers.pools import Fleet, Replica
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,6 +38,45 @@ class _Children:
 def _reader(replica: Replica, read: Callable[[Replica], float]) -> Callable[[], float]:
     """A gauge callback bound to one replica, evaluated when /metrics is read."""
     return lambda: read(replica)
+
+
+def _stderr(term: int, report: FitReport) -> float:
+    return report.stderr[term]
+
+
+def _fit_gauges(r: CollectorRegistry, fleet: Fleet) -> None:
+    """Each pool's re-fitted step costs (`workers/latency_fit.py`), read when /metrics is."""
+    scale = Gauge("specgate_step_cost_scale", "Each term of the pool's step cost as its answers show it, over "
+                  "the profile's: fixed (a step of one sequence), decode (what sequences and context add), "
+                  "prefill (what prompt tokens add).", ("pool", "term"), registry=r)  # fmt: skip
+    scale_error = Gauge("specgate_step_cost_scale_stderr", "Standard error of specgate_step_cost_scale.",
+                        ("pool", "term"), registry=r)  # fmt: skip
+    overhead = Gauge("specgate_ttft_overhead_seconds", "Fitted time before a first token that no engine step "
+                     "accounts for (the server's HTTP, tokenization, scheduling).", ("pool",), registry=r)  # fmt: skip
+    overhead_error = Gauge("specgate_ttft_overhead_stderr_seconds", "Standard error of "
+                           "specgate_ttft_overhead_seconds.", ("pool",), registry=r)  # fmt: skip
+    error = Gauge("specgate_prediction_log_error", "Root mean square of log(measured / predicted) over the "
+                  "pool's recent answers, by kind (ttft, tpot).", ("pool", "kind"), registry=r)  # fmt: skip
+    answers = Gauge("specgate_step_cost_answers", "Answers the pool's step costs have been fitted from.",
+                    ("pool",), registry=r)  # fmt: skip
+
+    def reader(fit: LatencyFit, read: Callable[[FitReport], float | None]) -> Callable[[], float]:
+        def value() -> float:
+            got = read(fit.report())
+            return float("nan") if got is None else got
+
+        return value
+
+    for pool, fit in fleet.fits.items():
+        name = pool.value
+        for i, term in enumerate(("fixed", "decode", "prefill")):
+            scale.labels(name, term).set_function(reader(fit, attrgetter(f"scales.{term}")))
+            scale_error.labels(name, term).set_function(reader(fit, partial(_stderr, i)))
+        overhead.labels(name).set_function(reader(fit, lambda report: report.scales.overhead_ms / 1e3))
+        overhead_error.labels(name).set_function(reader(fit, lambda report: _stderr(3, report) / 1e3))
+        error.labels(name, "ttft").set_function(reader(fit, attrgetter("ttft_error")))
+        error.labels(name, "tpot").set_function(reader(fit, attrgetter("tpot_error")))
+        answers.labels(name).set_function(reader(fit, attrgetter("answers")))
 
 
 class GatewayMetrics:
@@ -85,6 +127,7 @@ class GatewayMetrics:
             up.labels(*labels).set_function(_reader(replica, lambda rep: float(rep.healthy)))
             in_flight.labels(*labels).set_function(_reader(replica, lambda rep: float(rep.in_flight)))
             age.labels(*labels).set_function(_reader(replica, fleet.scrape_age))
+        _fit_gauges(r, fleet)
         self.queue_depth = Gauge("specgate_queue_depth", "Requests held in the gateway's admission queue.",
                                  registry=r)  # fmt: skip
         self.queue_wait = _Children(Histogram(

@@ -248,7 +248,7 @@ class Relay:
         plan, retries = journey.plan, self.settings.retries
         if budgeted:
             await asyncio.sleep(retries.backoff_s * 2 ** (number - 1))
-        snapshot = self._fitting(journey, self.fleet.snapshot(time.monotonic()))
+        snapshot = self._fitting(journey, self.fleet.snapshot(time.monotonic(), plan.profile))
         if journey.tried:
             snapshot = snapshot.without(frozenset(journey.tried))
         verdict = plan.decide(journey.features, snapshot)

@@ -9,7 +9,7 @@ import msgspec
 
 from specgate.policies.features import RequestFeatures
 from specgate.validation import Priority, Seconds
-from specgate.workers.latency_fit import Terms
+from specgate.workers.latency_fit import Priced
 from specgate.workers.snapshot import ReplicaState, Snapshot
 
 
@@ -25,7 +25,7 @@ class Decision:
     best_effort: bool = False
     """Its SLOs are out of reach: it is served as well as can be, after every request that can
     still meet its own (the admission queue holds it back while such requests wait)."""
-    terms: tuple[Terms, Terms] | None = None
+    terms: Priced | None = None
     """The predicted TTFT and TPOT as the profile prices them, term by term: what the measured
     answer re-fits the pool's step costs with."""
 

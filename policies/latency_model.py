@@ -35,8 +35,8 @@ from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import Profile
 from specgate.policies.features import RequestFeatures
 from specgate.policies.length import PRIORS, band
-from specgate.workers.latency_fit import Terms
-from specgate.workers.snapshot import ReplicaState
+from specgate.workers.latency_fit import Priced
+from specgate.workers.snapshot import ReplicaState, Scales
 
 Vector = tuple[float, float, float]
 """Steps priced by the profile, as their fixed, decode and prefill parts."""
@@ -68,6 +68,8 @@ MEMO_SIZE = 65536
 class Prediction:
     ttft_ms: float
     tpot_ms: float
+    terms: Priced
+    """TTFT and TPOT as the profile prices them, term by term (`workers/latency_fit.py`)."""
     harm_ms: float = 0.0
     """Extra time this request would impose on the requests already on the replica, summed."""
     decode_tpot_ms: float = 0.0
@@ -86,8 +88,6 @@ class Prediction:
     max_output_tokens: int | None = None
     output_tokens: int = 1
     """The output length the prediction assumed."""
-    terms: tuple[Terms, Terms] = ((0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0, 0.0))
-    """TTFT and TPOT as the profile prices them, term by term (`workers/latency_fit.py`)."""
 
     def completion_ms(self, output_tokens: int) -> float:
         return self.ttft_ms + max(output_tokens - 1, 0) * self.tpot_ms
@@ -162,6 +162,12 @@ class LatencyModel:
         full = self.step_ms(pool, decode_seqs, context, prefill_tokens) if prefill_tokens else decode
         return fixed, decode - fixed, full - decode
 
+    def fitted_step_ms(
+        self, pool: Pool, scales: Scales, decode_seqs: int, context: float, prefill_tokens: int = 0
+    ) -> float:
+        """One engine step at the pool's fitted `scales` of the profile's costs."""
+        return scales.step_ms(self._terms(pool, decode_seqs, context, prefill_tokens))
+
     def predict(self, replica: ReplicaState, features: RequestFeatures) -> Prediction:
         pool = replica.pool
         scales = replica.scales
@@ -212,6 +218,8 @@ class LatencyModel:
             (joined[2] / tokens_per_step + queued_stalls) * per_gap,
             0.0,
         )
+        next_batch = min(batch + 2, self.max_num_seqs)
+        per_sequence = (self._terms(pool, next_batch, context)[1] - joined[1]) / tokens_per_step * per_gap
         stalls = rate * (ttft_ms + tpot * gaps) / 1e3
         stay_steps = math.ceil(output / tokens_per_step)
         # what this prompt does to the others
@@ -229,7 +237,7 @@ class LatencyModel:
             output_spread=0.0 if features.output_hinted else OUTPUT_SPREAD,
             max_output_tokens=features.max_tokens,
             output_tokens=output,
-            terms=((*ttft_terms, 1.0), tpot_terms),
+            terms=Priced(self.profile.name, (*ttft_terms, 1.0), tpot_terms, replica.in_flight, per_sequence),
         )
 
     @cached_property

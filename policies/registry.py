@@ -104,6 +104,11 @@ class RoutingPlan:
     def slo_for(self, request_class: str) -> SloTargets:
         return self.slo_classes.get(request_class, self.slo)
 
+    @property
+    def profile(self) -> str:
+        """The profile the plan predicts with: the one the fleet's step-cost fits must follow."""
+        return self.model.profile.name
+
     def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Verdict:
         if self.drained or self.pool_weights:
             snapshot = snapshot.steered(self.pool_weights, self.drained)

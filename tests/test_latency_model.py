@@ -84,9 +84,8 @@ def test_a_prediction_is_the_sum_of_its_scaled_terms(pool: Pool) -> None:
     busy = {"in_flight": 12, "prefill_tokens": 3000, "prefill_tokens_per_s": 4000.0, "arrivals_per_s": 4.0}
     for scales in (Scales(), Scales(2.0, 0.5, 1.5, 12.0), Scales.lowest()):
         p = model.predict(idle(pool, scales=scales, **busy), FEATURES)
-        ttft, tpot = p.terms
-        assert predicted_ms(scales, ttft) == pytest.approx(p.ttft_ms, rel=1e-9)
-        assert predicted_ms(scales, tpot) == pytest.approx(p.tpot_ms, rel=1e-9)
+        assert predicted_ms(scales, p.terms.ttft) == pytest.approx(p.ttft_ms, rel=1e-9)
+        assert predicted_ms(scales, p.terms.tpot) == pytest.approx(p.tpot_ms, rel=1e-9)
 
 
 def _state(rng: random.Random, pool: Pool) -> ReplicaState:
@@ -117,11 +116,12 @@ def test_a_profile_off_converges_within_a_few_hundred_requests(pool: Pool, truth
     for n in range(300):
         state, features = _state(rng, pool), _request(rng)
         live = replace(state, scales=replicas[0].fit.scales)
-        ttft, tpot = model.predict(live, features).terms
+        priced = model.predict(live, features).terms
         noise = (math.exp(rng.gauss(0, 0.15)), math.exp(rng.gauss(0, 0.15)))
-        replicas[n % 2].observe(
-            predicted_ms(truth, ttft) * noise[0] / 1e3, predicted_ms(truth, tpot) * noise[1] / 1e3, (ttft, tpot)
+        ttft_s, tpot_s = (
+            predicted_ms(truth, t) * e / 1e3 for t, e in zip((priced.ttft, priced.tpot), noise, strict=True)
         )
+        replicas[n % 2].observe(ttft_s, tpot_s, priced)
     learned = fleet.snapshot(0.0).replicas[0].scales
     for _ in range(50):
         state, features = _state(rng, pool), _request(rng)
@@ -139,9 +139,10 @@ def test_one_outlier_moves_the_fit_little() -> None:
     """A request stuck behind a preemption, a hundred times slower than predicted, counts as twice."""
     model = LatencyModel(H100_LLAMA31_8B)
     fit = LatencyFit()
-    ttft, tpot = model.predict(idle(Pool.PLAIN, in_flight=4), FEATURES).terms
+    priced = model.predict(idle(Pool.PLAIN, in_flight=4), FEATURES).terms
+    ttft, tpot = priced.ttft, priced.tpot
     for _ in range(100):
-        fit.observe(predicted_ms(Scales(), ttft), predicted_ms(Scales(), tpot), ttft, tpot)
-    fit.observe(predicted_ms(Scales(), ttft) * 100, predicted_ms(Scales(), tpot) * 100, ttft, tpot)
+        fit.observe(predicted_ms(Scales(), ttft), predicted_ms(Scales(), tpot), priced)
+    fit.observe(predicted_ms(Scales(), ttft) * 100, predicted_ms(Scales(), tpot) * 100, priced)
     assert predicted_ms(fit.scales, tpot) == pytest.approx(predicted_ms(Scales(), tpot), rel=0.02)
     assert predicted_ms(fit.scales, ttft) == pytest.approx(predicted_ms(Scales(), ttft), rel=0.02)

@@ -42,6 +42,29 @@ MAX_OVERHEAD_MS = 60_000.0
 _MAX_RATIO = 2.0
 
 
+@dataclass(frozen=True)
+class Priced:
+    """A request's predicted TTFT and TPOT, term by term, as the profile named `basis` prices them."""
+
+    basis: str
+    ttft: Terms
+    tpot: Terms
+    in_flight: int = 0
+    """The gateway's requests on the replica when it was predicted (this one not counted)."""
+    per_sequence: float = 0.0
+    """What one more sequence in the batch adds to the TPOT's decode term."""
+
+    def tpot_over(self, in_flight: float | None) -> Terms:
+        """The TPOT's terms at the batch the request really decoded beside: `in_flight`, the mean
+        of the gateway's requests on the replica over its life (this one counted), instead of the
+        count when it was sent. Fitted against the batch at dispatch, a batch that grows or shrinks
+        under a request would read as decode costs flatter than they are."""
+        if in_flight is None:
+            return self.tpot
+        fixed, decode, prefill, overhead = self.tpot
+        return fixed, decode + (in_flight - 1 - self.in_flight) * self.per_sequence, prefill, overhead
+
+
 def predicted_ms(scales: Scales, terms: Terms) -> float:
     return scales.step_ms(terms[:3]) + scales.overhead_ms * terms[3]
 
@@ -62,6 +85,8 @@ class FitReport:
 
 class LatencyFit:
     def __init__(self, window: float = 300.0, prior_weight: float = 1.0) -> None:
+        self.basis: str | None = None
+        """The profile whose terms the scales multiply: the first answer's, until `follow` says another."""
         self._keep = 1.0 - 1.0 / window
         # The prior, as a quadratic penalty (θ - θ0)ᵀ R (θ - θ0): the three scales apart from their
         # mean (the profile's shape) weigh `prior_weight` answers, their common level
@@ -73,6 +98,9 @@ class LatencyFit:
         self._prior[3][3] = prior_weight / OVERHEAD_PRIOR_MS**2
         self._at_prior = [sum(self._prior[i][j] * (1.0, 1.0, 1.0, 0.0)[j] for j in range(4)) for i in range(4)]
         """R θ0."""
+        self._forget()
+
+    def _forget(self) -> None:
         self._xx = [[0.0] * 4 for _ in range(4)]
         """Decayed sums over the answers of x xᵀ, x the relative terms."""
         self._xy = [0.0] * 4
@@ -83,11 +111,26 @@ class LatencyFit:
         self.answers = 0
         self._stderr = (0.0, 0.0, 0.0, 0.0)
 
-    def observe(self, ttft_ms: float | None, tpot_ms: float | None, ttft: Terms, tpot: Terms) -> None:
-        """One answer: its measured TTFT and TPOT (None when not measured), and the terms of its
-        predictions."""
+    def follow(self, basis: str) -> None:
+        """Predictions are now priced by the profile `basis`: scales fitted against another one
+        mean nothing for it, and are forgotten."""
+        if basis != self.basis:
+            if self.basis is not None:
+                self._forget()
+            self.basis = basis
+
+    def observe(
+        self, ttft_ms: float | None, tpot_ms: float | None, priced: Priced, in_flight: float | None = None
+    ) -> None:
+        """One answer: its measured TTFT and TPOT (None when not measured), its predictions term
+        by term (ignored when priced by another profile than the one followed), and the mean of
+        the gateway's requests on its replica while it was there."""
+        if self.basis is None:
+            self.basis = priced.basis
+        elif priced.basis != self.basis:
+            return
         rows = []
-        for kind, measured, terms in (("ttft", ttft_ms, ttft), ("tpot", tpot_ms, tpot)):
+        for kind, measured, terms in (("ttft", ttft_ms, priced.ttft), ("tpot", tpot_ms, priced.tpot_over(in_flight))):
             predicted = predicted_ms(self.scales, terms)
             if measured is None or measured <= 0 or predicted <= 0 or not math.isfinite(measured):
                 continue

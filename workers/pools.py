@@ -22,7 +22,7 @@ import aiohttp
 from specgate.calibration.modes import Pool
 from specgate.workers.acceptance import SpecCounters, decode_steps
 from specgate.workers.health import Health
-from specgate.workers.latency_fit import LatencyFit, Terms
+from specgate.workers.latency_fit import LatencyFit, Priced
 from specgate.workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
 from specgate.workers.snapshot import ReplicaState, Snapshot
 
@@ -120,6 +120,8 @@ class Replica:
         """Callbacks of the attempts relaying an answer from here, called if it is found hung:
         their streams go on elsewhere."""
         self.in_flight = 0
+        self._busy = (0.0, 0.0)
+        """`busy_seconds` at the last change of `in_flight`, and when that was."""
         self.prefilling = 0
         self.prefill_tokens = 0
         self.dispatched = 0
@@ -147,9 +149,23 @@ class Replica:
 
     # --- the gateway's own accounting ---------------------------------------------------------
 
+    def busy_seconds(self, now: float) -> float:
+        """The gateway's requests on it, integrated over time (request-seconds)."""
+        return self._busy[0] + self.in_flight * max(now - self._busy[1], 0.0)
+
+    def mean_in_flight(self, mark: float, since: float, now: float) -> float | None:
+        """The mean of the gateway's requests on it from `since` (when `busy_seconds` was `mark`)
+        to `now`; None over no time."""
+        return (self.busy_seconds(now) - mark) / (now - since) if now > since else None
+
+    def _count(self, change: int, now: float | None) -> None:
+        at = time.monotonic() if now is None else now
+        self._busy = (self.busy_seconds(at), max(at, self._busy[1]))
+        self.in_flight += change
+
     def dispatched_one(self, prompt_tokens: int = 0, now: float | None = None) -> None:
         self.dispatched += 1
-        self.in_flight += 1
+        self._count(1, now)
         self.prefilling += 1
         self.prefill_tokens += prompt_tokens
         if now is not None:
@@ -165,14 +181,16 @@ class Replica:
         self.prefilling -= 1
         self.prefill_tokens -= prompt_tokens
 
-    def finished(self, *, got_first_byte: bool, prompt_tokens: int = 0) -> None:
-        self.in_flight -= 1
+    def finished(self, *, got_first_byte: bool, prompt_tokens: int = 0, now: float | None = None) -> None:
+        self._count(-1, now)
         if not got_first_byte:
             self.first_byte(prompt_tokens)
 
-    def observe(self, ttft_s: float | None, tpot_s: float | None, terms: tuple[Terms, Terms] | None = None) -> None:
-        """Record what a request saw; with the terms of the predictions it was routed on, re-fit
-        the pool's step costs."""
+    def observe(
+        self, ttft_s: float | None, tpot_s: float | None, terms: Priced | None = None, in_flight: float | None = None
+    ) -> None:
+        """Record what a request saw; with the terms of the predictions it was routed on (and the
+        mean of our requests here over its life, `mean_in_flight`), re-fit the pool's step costs."""
         w = self.settings.smoothing
         if ttft_s is not None:
             self.observed_ttft_s = _ewma(self.observed_ttft_s, ttft_s, w)
@@ -180,7 +198,10 @@ class Replica:
             self.observed_tpot_s = _ewma(self.observed_tpot_s, tpot_s, w)
         if terms is not None and (ttft_s is not None or tpot_s is not None):
             self.fit.observe(
-                ttft_s * 1e3 if ttft_s is not None else None, tpot_s * 1e3 if tpot_s is not None else None, *terms
+                ttft_s * 1e3 if ttft_s is not None else None,
+                tpot_s * 1e3 if tpot_s is not None else None,
+                terms,
+                in_flight,
             )
 
     # --- health -------------------------------------------------------------------------------
@@ -309,15 +330,18 @@ class Fleet:
                 name = f"{prefix[pool]}-{i}"
                 self.replicas[name] = Replica(name, url, pool, settings, self.fits[pool])
 
-    def snapshot(self, now: float) -> Snapshot:
+    def snapshot(self, now: float, profile: str | None = None) -> Snapshot:
         """Every replica's state; step costs (the fits are the pool's) and acceptance are pooled
-        per pool.
+        per pool. The fits follow `profile`, the one the deciding policy predicts with.
 
         Replicas of one pool run the same engine on the same hardware and serve the same mix of
         requests, so what one teaches about the model holds for all. Per-replica figures learned
         from a few noisy requests would make a lucky replica look fast, attract traffic and
         overload it before it learns better.
         """
+        if profile is not None:
+            for fit in self.fits.values():
+                fit.follow(profile)
         sums: dict[Pool, list[float]] = {}
         for r in self.replicas.values():
             total = sums.setdefault(r.pool, [0.0, 0.0])
