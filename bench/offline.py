@@ -33,9 +33,9 @@ from specgate.policies.length import LengthStats
 from specgate.sim.engine import Engine, EngineConfig
 from specgate.sim.outcomes import StepResult
 from specgate.workers.acceptance import SpecCounters
-from specgate.workers.pools import Fleet, FleetSettings, Replica
+from specgate.workers.pools import Fleet, FleetSettings, Replica, Stay
 from specgate.workers.scrape import VllmLoad
-from specgate.workers.snapshot import ReplicaState
+from specgate.workers.snapshot import ReplicaState, Scales
 
 MODEL = "model"
 REVIEW_INTERVAL_S = 0.05
@@ -72,6 +72,12 @@ class Scenario:
     """Hand each request's true output length to the policy as the client's hint."""
     scrape_interval_s: float = 0.25
     seed: int = 0
+    believed: Profile | None = None
+    """The profile the policy predicts with, when it is not the replicas' own (a profile of other
+    hardware: how fast the gateway learns what its replicas really cost)."""
+    refit: bool = True
+    """Re-fit each pool's step costs from its answers, as the gateway does (False keeps the
+    profile's: what the re-fit is worth)."""
 
     def slo_for(self, request_class: str) -> SloTargets:
         return self.slo_classes.get(request_class) or SloTargets(self.slo_ttft_ms, self.slo_tpot_ms)
@@ -91,6 +97,9 @@ class Served:
     """Why the policy chose where it went."""
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
+    arrival_s: float = 0.0
+    held_s: float = 0.0
+    """Of its TTFT, the time it waited in the gateway's admission queue (not the replica's)."""
 
     def meets(self) -> bool:
         if self.slo.ttft_ms is not None and self.ttft_s * 1e3 > self.slo.ttft_ms:
@@ -109,6 +118,8 @@ class RunResult:
     refused: Mapping[str, int]
     """Requests answered with an error instead, by reason (`too-long`, and the policy's)."""
     span_s: float
+    scales: Mapping[Pool, Scales] = field(default_factory=dict)
+    """Each pool's step costs as re-fitted by the end of the run."""
 
     @property
     def requests(self) -> int:
@@ -185,12 +196,13 @@ def _is_int(text: str) -> bool:
 
 def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     profile = scenario.profile
-    known = {**PROFILES, profile.name: profile}  # the scenario's profile may come from a file
-    document = policy_document(scenario.policy, profile.name, known)
+    believed = scenario.believed or profile
+    known = {**PROFILES, profile.name: profile, believed.name: believed}  # they may come from files
+    document = policy_document(scenario.policy, believed.name, known)
     plan = document.compile("offline", known)
     pools = {Pool.SPECULATIVE: [f"sim://spec-{i}" for i in range(scenario.fleet.spec)],
              Pool.PLAIN: [f"sim://plain-{i}" for i in range(scenario.fleet.plain)]}  # fmt: skip
-    fleet = Fleet(pools, FleetSettings(scrape_interval_s=scenario.scrape_interval_s))
+    fleet = Fleet(pools, FleetSettings(scrape_interval_s=scenario.scrape_interval_s, refit=scenario.refit))
     sims: dict[str, _SimReplica] = {}
     for i, (name, replica) in enumerate(fleet.replicas.items()):
         sims[name] = _SimReplica(Engine(profile, replica.pool, EngineConfig(), seed=scenario.seed * 1000 + i))
@@ -198,9 +210,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
 
     events: list[tuple[float, int, str, object]] = []
     order = itertools.count()
-    routed: dict[str, tuple[TraceRequest, str, Decision, float, tuple[float, float]]] = {}
+    routed: dict[str, tuple[TraceRequest, str, Decision, float, Stay]] = {}
     """Requests on a replica: the request, the replica, the decision, how long it was held, and
-    when it was sent with the replica's `busy_seconds` then."""
+    its stay there."""
     waiting: dict[int, tuple[TraceRequest, RequestFeatures]] = {}
     queue: AdmissionQueue[int] = AdmissionQueue(document.admission)
     review_scheduled = False
@@ -274,10 +286,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             refused[verdict.reason if verdict is not None else "no-replica"] += 1
             return
         name = verdict.replica.name
-        replica = fleet.replicas[name]
-        replica.dispatched_one(request.prompt_tokens, now)
+        stay = fleet.replicas[name].dispatched_one(request.prompt_tokens, now)
         request_id = f"r{index}"
-        routed[request_id] = (request, name, verdict, now - request.arrival_s, (now, replica.busy_seconds(now)))
+        routed[request_id] = (request, name, verdict, now - request.arrival_s, stay)
         output = min(request.output_tokens, max_tokens(profile, request.prompt_tokens))
         # The request accepts drafts as its content does, wherever it goes: every policy and every
         # split is measured on the same draws.
@@ -303,11 +314,10 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             if out.first:
                 replica.first_byte(routed[out.request_id][0].prompt_tokens)
         for done in step.finished:
-            request, _, decision, held, (sent, busy) = routed.pop(done.request_id)
-            in_flight = replica.mean_in_flight(busy, sent, step.end)
+            request, _, decision, held, stay = routed.pop(done.request_id)
             replica.finished(got_first_byte=True, now=step.end)
             assert done.ttft is not None
-            replica.observe(done.ttft, done.tpot, decision.terms, in_flight)
+            replica.observe(done.ttft, done.tpot, decision.terms, stay, step.end, done.step)
             lengths.observe(MODEL, request.prompt_tokens, done.output_tokens, request.request_class)
             slo = scenario.slo_for(request.request_class)
             served.append(
@@ -322,6 +332,8 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
                     decision.reason,
                     decision.predicted_ttft_ms,
                     decision.predicted_tpot_ms,
+                    request.arrival_s,
+                    held,
                 )
             )
         sims[name].busy = False
@@ -350,7 +362,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             review(now)
             heapq.heappush(events, (now + scenario.scrape_interval_s, next(order), "scrape", None))
     span = trace[-1].arrival_s - trace[0].arrival_s if len(trace) > 1 else 1.0
-    return RunResult(tuple(served), dict(refused), span)
+    return RunResult(tuple(served), dict(refused), span, {pool: fit.scales for pool, fit in fleet.fits.items()})
 
 
 def attainable(trace: Sequence[TraceRequest], scenario: Scenario) -> float:

@@ -202,6 +202,27 @@ class LinearStepModel:
 
 
 @dataclass(frozen=True)
+class ScaledStepModel:
+    """Another model's steps on other hardware: its decoding, its prompts' prefill and its CPU
+    time per step each a given factor dearer (or cheaper)."""
+
+    base: StepModel
+    decode: float = 1.0
+    prefill: float = 1.0
+    fixed: float = 1.0
+    """The CPU time per step."""
+
+    def forward_ms(self, batch: Batch) -> float:
+        decoding = Batch(batch.decode_seqs, batch.query_per_seq, batch.mean_context)
+        decode_ms = self.base.forward_ms(decoding) if batch.decode_seqs else 0.0
+        prefill_ms = self.base.forward_ms(batch) - decode_ms if batch.prefill_tokens else 0.0
+        return self.decode * decode_ms + self.prefill * prefill_ms
+
+    def overhead_ms(self, num_seqs: int) -> float:
+        return self.fixed * self.base.overhead_ms(num_seqs)
+
+
+@dataclass(frozen=True)
 class DraftCost:
     """Time the proposer spends per engine step, and on the prompt of a new request.
 
@@ -228,3 +249,11 @@ class DraftCost:
         if not tokens:
             return 0.0
         return self.prefill_fixed_ms + self.prefill_per_token_us * tokens / 1e3
+
+    def scaled(self, decode: float, prefill: float) -> DraftCost:
+        """On other hardware: drafting `decode` times dearer, the draft's prefill `prefill` times."""
+        return DraftCost(
+            self.step_fixed_ms * decode, self.pass_ms * decode, self.pass_per_seq_us * decode,
+            self.per_step_kv_ns * decode, self.per_pass_kv_ns * decode,
+            self.prefill_fixed_ms * prefill, self.prefill_per_token_us * prefill,
+        )  # fmt: skip

@@ -8,10 +8,19 @@ it); "assumed" ones were chosen where no source gives a figure.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from specgate.calibration.costs import Curve, DraftCost, Linear, LinearStepModel, StepModel, StepTable, TableStepModel
+from specgate.calibration.costs import (
+    Curve,
+    DraftCost,
+    Linear,
+    LinearStepModel,
+    ScaledStepModel,
+    StepModel,
+    StepTable,
+    TableStepModel,
+)
 
 SOURCES: Mapping[str, str] = MappingProxyType(
     {
@@ -73,6 +82,13 @@ class Profile:
     max_model_len: int
     sources: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
+
+    def elsewhere(self, name: str, decode: float, prefill: float, fixed: float) -> Profile:
+        """The same engine and model on other hardware: decoding (drafts included), prefill and
+        the CPU time per step each that many times dearer."""
+        spec = replace(self.spec, draft=self.spec.draft.scaled(decode, prefill))
+        steps = ScaledStepModel(self.steps, decode, prefill, fixed)
+        return replace(self, name=name, title=f"{self.title}, on other hardware", steps=steps, spec=spec)
 
     def describe(self) -> str:
         s = self.spec

@@ -23,6 +23,7 @@ MODULE_BENCHMARKS = {
     "overhead": ("specgate.bench.overhead", "what the gateway adds over a direct path (docs/overhead.md)"),
     "policy-reload": ("specgate.bench.policy_reload", "policy changes reaching two gateways (docs/policy_reload.md)"),
     "real-vllm": ("specgate.bench.real_vllm", "the policies against real vLLM on this CPU (docs/real_vllm.md)"),
+    "refit": ("specgate.bench.refit", "a profile of other hardware, re-fitted online (docs/bench/refit)"),
     "soak": ("specgate.bench.soak", "an hour of mixed traffic compressed: memory, fds, in flight (docs/soak.md)"),
 }
 

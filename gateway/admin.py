@@ -3,7 +3,8 @@
     GET /admin/fleet     every replica as the gateway sees it, and each pool's step costs as its
                          answers re-fitted them: scales over the profile with their standard
                          errors, the overhead before a first token, step and prefill times by the
-                         profile and as fitted, and how far recent predictions were off
+                         profile and as fitted, the factors the fitted steps still miss, and how
+                         far recent predictions were off
     GET /admin/policy    the document in force, its version and who changed it, when and why
     PUT /admin/policy    a new document (the body); `If-Match: <version>` is required: the change
                          applies only if that is still the current version (409 otherwise), or
@@ -122,11 +123,13 @@ def _fit(fit: LatencyFit, model: LatencyModel, pool: Pool) -> dict[str, object]:
 
     return {
         "answers": report.answers,
+        "fitted": report.fitted,
         "basis": fit.basis,
         "scales": {term: round(getattr(scales, term), 4) for term in ("fixed", "decode", "prefill")},
         "stderr": dict(zip(("fixed", "decode", "prefill"), (round(e, 4) for e in report.stderr), strict=False)),
         "ttft_overhead_ms": round(scales.overhead_ms, 3),
         "ttft_overhead_stderr_ms": round(report.stderr[3], 3),
+        "factors": {"ttft": round(scales.ttft_factor, 4), "tpot": round(scales.tpot_factor, 4)},
         "prediction_log_error": {"ttft": report.ttft_error, "tpot": report.tpot_error},
         f"step_ms_at_context_{REFERENCE_CONTEXT}": {f"batch {b}": both(b) for b in REFERENCE_BATCHES},
         f"prefill_ms_of_{REFERENCE_PROMPT}_tokens": both(0, REFERENCE_PROMPT),

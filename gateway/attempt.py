@@ -14,6 +14,7 @@ another replica (see `continuation`) or ends it with a well-formed error event.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from specgate.gateway.journey import Journey, hop_by_hop
 from specgate.gateway.sla import REQUEST_ID
 from specgate.policies.decision import Decision
 from specgate.protocol.tokens import completion_tokens
-from specgate.workers.pools import Replica
+from specgate.workers.pools import Replica, Stay
 
 MAX_ANSWER_BYTES = 64 << 20
 """A whole (not streamed) answer longer than this is not an answer."""
@@ -74,8 +75,12 @@ class Outcome:
     tpot_s: float | None = None
     streamed: bool = False
     completion_tokens: int | None = None
-    in_flight: float | None = None
-    """The mean of the gateway's requests on the replica while it served this one."""
+    stay: Stay | None = None
+    """When it was sent to the replica, and how loaded that was (for the step-cost fit)."""
+    ended: float = 0.0
+    step_s: float | None = None
+    """The median time between the stream's reads after the first: one engine step each, as
+    vLLM sends an event a step (more when it is too busy to send each)."""
 
 
 class Attempt:
@@ -111,8 +116,7 @@ class Attempt:
         replica, prompt = self.replica, self.journey.features.prompt_tokens
         self.started = time.monotonic()
         body = await self._body()
-        replica.dispatched_one(prompt, self.started)
-        busy = replica.busy_seconds(self.started)
+        self.outcome.stay = replica.dispatched_one(prompt, self.started)
         watchdog = Watchdog(self.timeouts.first_byte_s, self.timeouts.idle_s)
         replica.waiting.add(watchdog.fire)  # ejected meanwhile (hung, say): go elsewhere
         try:
@@ -140,9 +144,8 @@ class Attempt:
             raise
         finally:
             watchdog.stop()
-            now = time.monotonic()
-            self.outcome.in_flight = replica.mean_in_flight(busy, self.started, now)
-            replica.finished(got_first_byte=self._got_first_byte, prompt_tokens=prompt, now=now)
+            self.outcome.ended = time.monotonic()
+            replica.finished(got_first_byte=self._got_first_byte, prompt_tokens=prompt, now=self.outcome.ended)
 
     async def _body(self) -> bytes:
         """The request body for this replica: the client's, or the continuation of its stream."""
@@ -279,6 +282,7 @@ class Attempt:
         self.outcome.streamed = True
         first_at = 0.0
         events = 0
+        gaps: list[float] = []
         held = previous = last = b""
         content = upstream.content
         try:
@@ -293,9 +297,12 @@ class Attempt:
                     if held:
                         await stream.send(held if rewrite is None else rewrite(held))
                     break
-                watchdog.last = self.replica.received_at = time.monotonic()
-                if not first_at:
-                    first_at = watchdog.last
+                now = time.monotonic()
+                if first_at:
+                    gaps.append(now - watchdog.last)
+                else:
+                    first_at = now
+                watchdog.last = self.replica.received_at = now
                 events += chunk.count(b"data: ")
                 previous, last = last, chunk
                 ready, held = _complete_events(held + chunk)
@@ -329,6 +336,8 @@ class Attempt:
             tokens = self.outcome.completion_tokens or max(events - 2, 0)
             if tokens > 1:
                 self.outcome.tpot_s = (watchdog.last - first_at) / (tokens - 1)
+            if gaps:
+                self.outcome.step_s = statistics.median(gaps)
         return stream.response
 
 

@@ -45,7 +45,7 @@ class Feedback:
             )
         if outcome.streamed:
             _, predicted_tpot_s = decision.predicted_s
-            replica.observe(outcome.ttft_s, outcome.tpot_s, decision.terms, outcome.in_flight)
+            replica.observe(outcome.ttft_s, outcome.tpot_s, decision.terms, outcome.stay, outcome.ended, outcome.step_s)
             if replica.pool is Pool.SPECULATIVE and outcome.tpot_s is not None and predicted_tpot_s is not None:
                 self.drafts.observe(journey.draft_group, predicted_tpot_s, features.draft_speedup, outcome.tpot_s)
             if outcome.ttft_s is not None:

@@ -57,8 +57,12 @@ def _fit_gauges(r: CollectorRegistry, fleet: Fleet) -> None:
                            "specgate_ttft_overhead_seconds.", ("pool",), registry=r)  # fmt: skip
     error = Gauge("specgate_prediction_log_error", "Root mean square of log(measured / predicted) over the "
                   "pool's recent answers, by kind (ttft, tpot).", ("pool", "kind"), registry=r)  # fmt: skip
-    answers = Gauge("specgate_step_cost_answers", "Answers the pool's step costs have been fitted from.",
-                    ("pool",), registry=r)  # fmt: skip
+    factor = Gauge("specgate_prediction_factor", "Measured over predicted latency that the fitted step costs "
+                   "still miss on the pool's answers, smoothed, by kind (ttft, tpot): it multiplies the "
+                   "predictions.", ("pool", "kind"), registry=r)  # fmt: skip
+    answers = Gauge("specgate_step_cost_answers", "Answers measured on the pool, by use: all (checked against "
+                    "their predictions) and fitted (from a steady replica: the step costs' evidence).",
+                    ("pool", "use"), registry=r)  # fmt: skip
 
     def reader(fit: LatencyFit, read: Callable[[FitReport], float | None]) -> Callable[[], float]:
         def value() -> float:
@@ -76,7 +80,10 @@ def _fit_gauges(r: CollectorRegistry, fleet: Fleet) -> None:
         overhead_error.labels(name).set_function(reader(fit, lambda report: _stderr(3, report) / 1e3))
         error.labels(name, "ttft").set_function(reader(fit, attrgetter("ttft_error")))
         error.labels(name, "tpot").set_function(reader(fit, attrgetter("tpot_error")))
-        answers.labels(name).set_function(reader(fit, attrgetter("answers")))
+        factor.labels(name, "ttft").set_function(reader(fit, attrgetter("scales.ttft_factor")))
+        factor.labels(name, "tpot").set_function(reader(fit, attrgetter("scales.tpot_factor")))
+        answers.labels(name, "all").set_function(reader(fit, attrgetter("answers")))
+        answers.labels(name, "fitted").set_function(reader(fit, attrgetter("fitted")))
 
 
 class GatewayMetrics:

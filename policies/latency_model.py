@@ -1,6 +1,8 @@
 """Per-replica latency predictions: the calibrated profile, corrected by what the gateway observes.
 
-For the replica a request would join, with B requests already there:
+For the replica a request would join, with B requests already there (of which it runs all, or,
+while it holds requests back in its queue, those it runs but one: a newcomer takes the place of
+one that ends):
 
 - TTFT: half a step (the step in flight when the request arrives) plus the steps that prefill the
   prompt tokens queued ahead of it and its own, in chunks of what the token budget leaves beside
@@ -21,7 +23,8 @@ For the replica a request would join, with B requests already there:
 Each step is priced as the profile's fixed, decode and prefill parts, each scaled by what the
 pool's measured answers show (`workers/latency_fit.py`), and TTFT adds the time before the first
 token that no step accounts for: a profile that is off, even in its shape, converges to what the
-replica really does. The prediction carries its terms, for that fit.
+replica really does. TTFT and TPOT are then multiplied by what the fitted steps still miss on the
+pool's answers. The prediction carries its terms, for the fit.
 """
 
 from __future__ import annotations
@@ -174,22 +177,27 @@ class LatencyModel:
         prompt = max(features.prompt_tokens, 1)
         output = self.expected_output(features)
         batch = min(max(round(replica.load), 0), self.max_num_seqs - 1)
-        context = self._mean_context(replica, batch, prompt + output / 2)
+        # A replica holding requests back decodes only those it runs: a newcomer's steps are those
+        # of its running batch (it takes the place of one that ends there), however long its queue.
+        running = batch
+        if replica.waiting and replica.running is not None:
+            running = min(batch, max(round(replica.running) - 1, 0))
+        context = self._mean_context(replica, running, prompt + output / 2)
         k = self.profile.spec.num_speculative_tokens if pool is Pool.SPECULATIVE else 0
 
-        decode = self._terms(pool, batch, context) if batch else _NONE
+        decode = self._terms(pool, running, context) if running else _NONE
         decode_ms = scales.step_ms(decode)
-        chunk = max(self.max_num_batched_tokens - batch * (1 + k), 1)
+        chunk = max(self.max_num_batched_tokens - running * (1 + k), 1)
 
         def prefill(tokens: int) -> Vector:
             full_steps, last = divmod(tokens, chunk)
-            terms = _scaled(self._terms(pool, batch, context, chunk), full_steps) if full_steps else _NONE
-            return _sum(terms, self._terms(pool, batch, context, last)) if last else terms
+            terms = _scaled(self._terms(pool, running, context, chunk), full_steps) if full_steps else _NONE
+            return _sum(terms, self._terms(pool, running, context, last)) if last else terms
 
         ttft_terms = _sum(_scaled(decode, 0.5), prefill(max(replica.prefill_tokens, 0) + prompt))
-        ttft_ms = scales.step_ms(ttft_terms) + scales.overhead_ms
+        ttft_ms = (scales.step_ms(ttft_terms) + scales.overhead_ms) * scales.ttft_factor
 
-        joined = self._terms(pool, batch + 1, context)
+        joined = self._terms(pool, running + 1, context)
         joined_ms = scales.step_ms(joined)
         if pool is Pool.SPECULATIVE:
             pool_mean = replica.tokens_per_step or self.profile.spec.expected_tokens_per_step()
@@ -198,10 +206,11 @@ class LatencyModel:
             tokens_per_step = 1.0
         # What prefilling one prompt token costs the decoding batch, as the profile prices it: the
         # rate of prompts is measured in real time, and the prefill scale brings it there.
-        per_token_ms = self._terms(pool, batch + 1, context, prompt)[2] / prompt
+        per_token_ms = self._terms(pool, running + 1, context, prompt)[2] / prompt
         arriving = replica.prefill_tokens_per_s / replica.arrivals_per_s if replica.arrivals_per_s > 0 else prompt
-        stall_ms = arriving * per_token_ms * scales.prefill
-        decode_tpot = joined_ms / tokens_per_step
+        factor = scales.tpot_factor
+        stall_ms = arriving * per_token_ms * scales.prefill * factor
+        decode_tpot = joined_ms / tokens_per_step * factor
         gaps = max(output - 1, 1)
         # Prompts arriving while this request waits for its first token, and while it decodes,
         # each stall its decoding once: at the replica's recent rate, over a life that the stalls
@@ -209,8 +218,9 @@ class LatencyModel:
         rate = replica.arrivals_per_s
         share = min(rate * stall_ms / 1e3, MAX_PREFILL_SHARE)
         queued_stalls = rate * ttft_ms / 1e3 * arriving * per_token_ms / gaps  # times the prefill scale
-        tpot = (decode_tpot + queued_stalls * scales.prefill) / (1.0 - share)
-        # TPOT term by term, the stalls' share held where it is: what the scales' fit needs.
+        tpot = (decode_tpot + queued_stalls * scales.prefill * factor) / (1.0 - share)
+        # TPOT term by term (before its factor), the stalls' share held where it is: what the
+        # step-cost fit needs.
         per_gap = 1.0 / (1.0 - share)
         tpot_terms = (
             joined[0] / tokens_per_step * per_gap,
@@ -218,13 +228,17 @@ class LatencyModel:
             (joined[2] / tokens_per_step + queued_stalls) * per_gap,
             0.0,
         )
-        next_batch = min(batch + 2, self.max_num_seqs)
-        per_sequence = (self._terms(pool, next_batch, context)[1] - joined[1]) / tokens_per_step * per_gap
+        next_batch = min(running + 2, self.max_num_seqs)
+        per_sequence = self._terms(pool, next_batch, context)[1] - joined[1]
         stalls = rate * (ttft_ms + tpot * gaps) / 1e3
         stay_steps = math.ceil(output / tokens_per_step)
         # what this prompt does to the others
         stall = scales.step_ms(prefill(prompt)) - decode_ms * math.ceil(prompt / chunk)
-        harm = batch * (max(stall, 0.0) + max(joined_ms - decode_ms, 0.0) * stay_steps) if batch else 0.0
+        harm = batch * (max(stall, 0.0) + max(joined_ms - decode_ms, 0.0) * stay_steps) * factor if batch else 0.0
+        priced = Priced(
+            self.profile.name, (*ttft_terms, 1.0), tpot_terms, (*joined, 0.0), replica.in_flight, per_sequence,
+            queued=replica.prefill_tokens > 0, stall_share=share,
+        )  # fmt: skip
         return Prediction(
             ttft_ms=ttft_ms,
             tpot_ms=tpot,
@@ -237,7 +251,7 @@ class LatencyModel:
             output_spread=0.0 if features.output_hinted else OUTPUT_SPREAD,
             max_output_tokens=features.max_tokens,
             output_tokens=output,
-            terms=Priced(self.profile.name, (*ttft_terms, 1.0), tpot_terms, replica.in_flight, per_sequence),
+            terms=priced,
         )
 
     @cached_property

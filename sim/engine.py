@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specgate.calibration.costs import Batch
 from specgate.calibration.modes import Pool
@@ -79,6 +80,8 @@ class _Seq:
     first_scheduled: float | None = None
     first_token: float | None = None
     last_output: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    """Time between its outputs after the first: one engine step each, or more when stalled."""
 
     @property
     def num_tokens(self) -> int:
@@ -369,6 +372,7 @@ class Engine:
                 prompt_tokens += seq.prompt_tokens
             elif seq.last_output is not None:
                 itls.append(end - seq.last_output)
+                seq.gaps.append(end - seq.last_output)
             seq.last_output = end
             done = seq.output_tokens >= seq.output_target
             outputs.append(TokenOutput(seq.request_id, n, first, seq.finish_reason if done else None))
@@ -426,4 +430,5 @@ class Engine:
             inference=now - scheduled,
             ttft=(first - seq.arrival) if first is not None else None,
             tpot=decode / (seq.output_tokens - 1) if seq.output_tokens > 1 else None,
+            step=statistics.median(seq.gaps) if seq.gaps else None,
         )

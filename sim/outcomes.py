@@ -44,6 +44,8 @@ class FinishedRequest:
     inference: float
     ttft: float | None
     tpot: float | None
+    step: float | None = None
+    """The median time between its outputs after the first: a typical engine step of its life."""
 
 
 @dataclass(frozen=True)

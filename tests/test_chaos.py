@@ -198,8 +198,8 @@ async def test_the_retry_budget_holds_back_retries_only_while_the_failing_replic
     # is not hit by a storm of retries. Once its failure ejects it, retrying moves load off it.
     behind = sim(sim_factory, "speculative")
     round_robin = parse({"schema_version": 1, "policy": "round-robin"})
-    never = {"eject_after": 10_000, "failure_window": 10_000}
-    fleet = dataclasses.replace(CHAOS_FLEET, **({"eject_after": 1} if ejected else never))
+    never = dataclasses.replace(CHAOS_FLEET, eject_after=10_000, failure_window=10_000)
+    fleet = dataclasses.replace(CHAOS_FLEET, eject_after=1) if ejected else never
     async with aiohttp.ClientSession() as session:
         faulty = FaultyReplica(behind.url, "500", session)
         async with running_app(faulty.app()) as sick:

@@ -128,4 +128,5 @@ async def test_a_profile_three_times_too_fast_is_refitted(fleet: dict[Pool, tupl
     assert {r["name"] for r in report["replicas"]} == {"spec-0", "plain-0"}
     scale = sample_value(metrics, "specgate_step_cost_scale", pool=busiest, term="fixed")
     assert scale == pytest.approx(fit["scales"]["fixed"], rel=0.05)
-    assert sample_value(metrics, "specgate_step_cost_answers", pool=busiest) == fit["answers"]
+    assert sample_value(metrics, "specgate_step_cost_answers", pool=busiest, use="all") == fit["answers"]
+    assert sample_value(metrics, "specgate_step_cost_answers", pool=busiest, use="fitted") == fit["fitted"]

@@ -2,70 +2,99 @@
 
 The latency model prices every prediction from the profile's step costs, and says how much of it
 is each term (`policies/latency_model.py`): of the steps a request waits through before its first
-token, and of the steps between its tokens, how much is a step's fixed cost, how much the decoding
-sequences and their contexts add, and how much prompt tokens add. What the replica really does is
-that sum with each term scaled by what the profile got wrong, plus, before the first token, a fixed
-time no engine step accounts for (the server's HTTP, tokenization, scheduling). The scales are the
-least-squares fit of the pool's recent answers:
+token, and of one step of the batch it decodes in, how much is a step's fixed cost, how much the
+decoding sequences and their contexts add, and how much prompt tokens add. What the replica
+really does is that sum with each term scaled by what the profile got wrong, plus, before the
+first token, a fixed time no engine step accounts for (the server's HTTP, tokenization,
+scheduling). The scales are the least-squares fit of what the pool's recent answers timed of its
+steps (`LatencyFit.observe`: the median gap between a stream's events, the TTFT of a request with
+nothing queued ahead of it):
 
-- in relative errors: each equation is divided by its prediction, so a 2 s TTFT and a 20 ms TPOT
+- in relative errors: each equation is divided by its prediction, so a 2 s TTFT and a 20 ms step
   weigh alike;
 - recent ones: each answer weighs 1 - 1/window less than the next, so the fit follows a fleet that
   changes (a replica restarted with other flags, other traffic);
-- bounded: an answer over twice or under half its prediction counts as that bound (one request
+- bounded: a measurement over twice or under half its prediction counts as that bound (one request
   stuck behind a preemption cannot wreck the fit), and each scale stays within CORRECTION_RANGE;
 - from the profile's shape: a prior as heavy as `prior_weight` answers holds the three scales
   together, and lightly at 1, and the overhead at 0, until the answers say otherwise; so terms
   the traffic cannot tell apart (every request alone on its replica: the fixed and the decode
-  cost move together) keep the profile's split between them, at the level the answers show.
+  cost move together) keep the profile's split between them, at the level the answers show;
+- from steady replicas only: nothing held back in them, room in their KV cache.
 
 Each answer is fitted against the profile's own terms, not against a prediction already corrected:
 what the fit said before cannot feed back into what it learns next.
+
+What the steps so fitted still miss of the TTFT and TPOT the pool's requests see, from every
+answer, is kept as a smoothed ratio per kind (`Scales.ttft_factor`, `tpot_factor`): the model's
+picture of a replica is not the replica (prefill stalls it estimates from a rate, a queue it
+does not time, a batch that grows under a request, a crowded KV cache), and that error is not
+the step costs'.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specgate.workers.snapshot import CORRECTION_RANGE, Scales
 
-TERMS = ("fixed", "decode", "prefill", "overhead_ms")
 Terms = tuple[float, float, float, float]
 """A prediction as the profile prices it, term by term: the fixed, decode and prefill parts of its
 steps, and 1 where the overhead before the first token adds to it (a TTFT), else 0."""
 
+WINDOW = 300.0
+"""Over about how many recent answers a pool's step costs are fitted."""
+PRIOR_WEIGHT = 5.0
+"""As how many answers the profile's own step costs count."""
+SMOOTHING = 0.05
+"""Weight of the newest answer in the TTFT and TPOT factors that the fitted steps still miss."""
 LEVEL_PRIOR_SHARE = 0.1
+"""How firmly the prior holds the scales' common level at 1, against their shape."""
 OVERHEAD_PRIOR_MS = 100.0
 """The prior holds the overhead at 0 as firmly as `prior_weight` answers of this many ms would."""
 MAX_OVERHEAD_MS = 60_000.0
 _MAX_RATIO = 2.0
+MAX_STALL_SHARE = 0.2
+_MAX_FACTOR_STEP = math.log(2.0)
+"""One answer moves a factor as if it were at most twice or half its prediction: one request
+stuck behind a preemption cannot wreck it."""
 
 
 @dataclass(frozen=True)
 class Priced:
-    """A request's predicted TTFT and TPOT, term by term, as the profile named `basis` prices them."""
+    """A request's predicted TTFT and TPOT, and one engine step of the batch it joins, term by
+    term, as the profile named `basis` prices them."""
 
     basis: str
     ttft: Terms
     tpot: Terms
+    step: Terms
+    """One step of the batch it decodes in (a speculative step's drafts and verification)."""
     in_flight: int = 0
     """The gateway's requests on the replica when it was predicted (this one not counted)."""
     per_sequence: float = 0.0
-    """What one more sequence in the batch adds to the TPOT's decode term."""
+    """What one more sequence in the batch adds to the step's decode term."""
+    queued: bool = False
+    """Prompts were waiting for their first token there: its TTFT waits on their prefill, which
+    the gateway counts but cannot time."""
+    stall_share: float = 0.0
+    """The share of the replica's time the model expects arriving prompts' prefill to take: past
+    MAX_STALL_SHARE most steps carry some prefill, and the median gap is no longer a decode step."""
 
-    def tpot_over(self, in_flight: float | None) -> Terms:
-        """The TPOT's terms at the batch the request really decoded beside: `in_flight`, the mean
-        of the gateway's requests on the replica over its life (this one counted), instead of the
-        count when it was sent. Fitted against the batch at dispatch, a batch that grows or shrinks
-        under a request would read as decode costs flatter than they are."""
+    def step_over(self, in_flight: float | None) -> Terms:
+        """The step at the batch the request really decoded beside: `in_flight`, the mean of the
+        gateway's requests on the replica over its life (this one counted), instead of the count
+        when it was sent. Fitted against the batch at dispatch, a batch that grows or shrinks under
+        a request would read as decode costs flatter than they are."""
         if in_flight is None:
-            return self.tpot
-        fixed, decode, prefill, overhead = self.tpot
+            return self.step
+        fixed, decode, prefill, overhead = self.step
         return fixed, decode + (in_flight - 1 - self.in_flight) * self.per_sequence, prefill, overhead
 
 
 def predicted_ms(scales: Scales, terms: Terms) -> float:
+    """What the fitted step costs say of a TTFT or TPOT given as its terms (before the factors)."""
     return scales.step_ms(terms[:3]) + scales.overhead_ms * terms[3]
 
 
@@ -77,6 +106,9 @@ class FitReport:
     stderr: tuple[float, float, float, float]
     """The standard error of each scale (and of the overhead, in ms), from the recent residuals."""
     answers: int
+    """Answers measured."""
+    fitted: int
+    """Of those, the answers of a steady replica, which the step costs are fitted from."""
     ttft_error: float | None
     """Root mean square of log(measured / predicted) over the recent TTFTs, each predicted with
     the fit as it stood when it was measured; None before any."""
@@ -84,10 +116,20 @@ class FitReport:
 
 
 class LatencyFit:
-    def __init__(self, window: float = 300.0, prior_weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        window: float = WINDOW,
+        prior_weight: float = PRIOR_WEIGHT,
+        smoothing: float = SMOOTHING,
+        *,
+        learn: bool = True,
+    ) -> None:
+        self.learn = learn
+        """False: answers only count in the prediction error; the scales stay the profile's."""
         self.basis: str | None = None
         """The profile whose terms the scales multiply: the first answer's, until `follow` says another."""
         self._keep = 1.0 - 1.0 / window
+        self._smoothing = smoothing
         # The prior, as a quadratic penalty (θ - θ0)ᵀ R (θ - θ0): the three scales apart from their
         # mean (the profile's shape) weigh `prior_weight` answers, their common level
         # LEVEL_PRIOR_SHARE of that (a profile of other hardware is off in level before shape),
@@ -109,6 +151,7 @@ class LatencyFit:
         self._errors: dict[str, tuple[float, float]] = {}
         self.scales = Scales()
         self.answers = 0
+        self.fitted = 0
         self._stderr = (0.0, 0.0, 0.0, 0.0)
 
     def follow(self, basis: str) -> None:
@@ -120,23 +163,74 @@ class LatencyFit:
             self.basis = basis
 
     def observe(
-        self, ttft_ms: float | None, tpot_ms: float | None, priced: Priced, in_flight: float | None = None
+        self,
+        ttft_ms: float | None,
+        tpot_ms: float | None,
+        priced: Priced,
+        in_flight: float | None = None,
+        *,
+        steady: bool = True,
+        step_ms: float | None = None,
     ) -> None:
         """One answer: its measured TTFT and TPOT (None when not measured), its predictions term
-        by term (ignored when priced by another profile than the one followed), and the mean of
-        the gateway's requests on its replica while it was there."""
+        by term (ignored when priced by another profile than the one followed), the mean of the
+        gateway's requests on its replica while it was there, whether the replica stayed steady
+        meanwhile, and the median time between the events of its stream (one engine step each).
+
+        The step costs are fitted from what times steps: the median gap between a stream's events
+        (a stall by a prompt's prefill is an outlier there, not the median, while prompts take a
+        small share of the replica's time) against one step of its batch, and the TTFT of a
+        request that found no prompt queued ahead of it (its own prefill and part of a step).
+        Only answers from a steady replica (nothing held back in it,
+        room in its KV cache, then and throughout) count: past that, requests wait for memory,
+        are preempted and swapped back, the model's batch is not the replica's, and the answer
+        would teach the step costs the wrong lesson. Every answer counts in the prediction error
+        and in the factors."""
         if self.basis is None:
             self.basis = priced.basis
         elif priced.basis != self.basis:
             return
         rows = []
-        for kind, measured, terms in (("ttft", ttft_ms, priced.ttft), ("tpot", tpot_ms, priced.tpot_over(in_flight))):
-            predicted = predicted_ms(self.scales, terms)
-            if measured is None or measured <= 0 or predicted <= 0 or not math.isfinite(measured):
+        measured = {}
+        for kind, seen, terms in (("ttft", ttft_ms, priced.ttft), ("tpot", tpot_ms, priced.tpot)):
+            if seen is None or seen <= 0 or not math.isfinite(seen) or predicted_ms(self.scales, terms) <= 0:
                 continue
-            self._error(kind, math.log(measured / predicted))
-            bounded = min(max(measured, predicted / _MAX_RATIO), predicted * _MAX_RATIO)
-            rows.append(([t / predicted for t in terms], bounded / predicted))
+            measured[kind] = (seen, terms)
+            self._error(kind, math.log(seen / (predicted_ms(self.scales, terms) * self._factor(kind))))
+        if not measured:
+            return
+        self.answers += 1
+        if not self.learn:
+            return
+        if steady:
+            if "ttft" in measured and not priced.queued:
+                rows.append((measured["ttft"][0], priced.ttft))
+            if step_ms is not None and step_ms > 0 and math.isfinite(step_ms) and priced.stall_share <= MAX_STALL_SHARE:
+                rows.append((step_ms, priced.step_over(in_flight)))
+        if rows:
+            self._fit(rows)
+        # What the step costs, as now fitted, still miss of predictions as they are made (at the
+        # batch when the request is sent): a smoothed ratio by kind, each answer moving it a
+        # bounded step.
+        factors = {"ttft": self.scales.ttft_factor, "tpot": self.scales.tpot_factor}
+        low, high = CORRECTION_RANGE
+        for kind, (seen, terms) in measured.items():
+            predicted = predicted_ms(self.scales, terms) * factors[kind]
+            step = max(-_MAX_FACTOR_STEP, min(_MAX_FACTOR_STEP, math.log(seen / predicted)))
+            factors[kind] = min(max(factors[kind] * math.exp(self._smoothing * step), low), high)
+        self.scales = replace(self.scales, ttft_factor=factors["ttft"], tpot_factor=factors["tpot"])
+
+    def _factor(self, kind: str) -> float:
+        return self.scales.ttft_factor if kind == "ttft" else self.scales.tpot_factor
+
+    def _fit(self, measured: list[tuple[float, Terms]]) -> None:
+        """Fit the answer's equations: each relative to its prediction, the measurement bounded."""
+        rows = []
+        for seen, terms in measured:
+            predicted = predicted_ms(self.scales, terms)
+            if predicted > 0:
+                bounded = min(max(seen, predicted / _MAX_RATIO), predicted * _MAX_RATIO)
+                rows.append(([t / predicted for t in terms], bounded / predicted))
         if not rows:
             return
         keep = self._keep
@@ -149,7 +243,7 @@ class LatencyFit:
                 self._xy[i] += x[i] * y
                 for j in range(4):
                     self._xx[i][j] += x[i] * x[j]
-        self.answers += 1
+        self.fitted += 1
         self._solve(rows)
 
     def _error(self, kind: str, log_ratio: float) -> None:
@@ -164,11 +258,12 @@ class LatencyFit:
             return
         theta = [sum(inverse[i][j] * b[j] for j in range(4)) for i in range(4)]
         low, high = CORRECTION_RANGE
-        self.scales = Scales(
-            min(max(theta[0], low), high),
-            min(max(theta[1], low), high),
-            min(max(theta[2], low), high),
-            min(max(theta[3], 0.0), MAX_OVERHEAD_MS),
+        self.scales = replace(
+            self.scales,
+            fixed=min(max(theta[0], low), high),
+            decode=min(max(theta[1], low), high),
+            prefill=min(max(theta[2], low), high),
+            overhead_ms=min(max(theta[3], 0.0), MAX_OVERHEAD_MS),
         )
         total, weight = self._residual
         for x, y in rows:
@@ -188,7 +283,7 @@ class LatencyFit:
             total, weight = self._errors.get(kind, (0.0, 0.0))
             return math.sqrt(total / weight) if weight > 0 else None
 
-        return FitReport(self.scales, self._stderr, self.answers, rms("ttft"), rms("tpot"))
+        return FitReport(self.scales, self._stderr, self.answers, self.fitted, rms("ttft"), rms("tpot"))
 
 
 def _inverse(a: list[list[float]]) -> list[list[float]] | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from specgate.calibration.modes import Pool
+from specgate.workers import latency_fit
 from specgate.workers.acceptance import SpecCounters, decode_steps
 from specgate.workers.health import Health
 from specgate.workers.latency_fit import LatencyFit, Priced
@@ -48,16 +49,25 @@ class FleetSettings:
     """A replica with requests in flight whose token counters stand still this long is ejected."""
     smoothing: float = 0.2
     """Weight of the newest observation in the smoothed TTFT and TPOT."""
-    fit_window: float = 300.0
+    fit_window: float = latency_fit.WINDOW
     """Over about how many recent answers each pool's step costs are re-fitted."""
-    fit_prior_weight: float = 1.0
+    fit_prior_weight: float = latency_fit.PRIOR_WEIGHT
     """As how many answers the profile's own step costs count in that fit."""
+    correction_smoothing: float = latency_fit.SMOOTHING
+    """Weight of the newest answer in the TTFT and TPOT factors that the fitted steps still miss."""
+    refit: bool = True
+    """False keeps the profile's step costs as they are, whatever the answers say (to measure
+    what re-fitting them is worth)."""
     rate_window_s: float = 10.0
     """Time constant of the smoothed rate of prompts (and their tokens) sent to each replica."""
     burst_window_s: float = 2.0
     """A shorter one: when prompts come faster over it (a burst), its rate is the one used."""
     acceptance_window_steps: float = 2000.0
     """Over how many recent sequence-steps the speculative pool's tokens per step are estimated."""
+
+    def latency_fit(self) -> LatencyFit:
+        """A pool's step-cost fit, as these settings make it."""
+        return LatencyFit(self.fit_window, self.fit_prior_weight, self.correction_smoothing, learn=self.refit)
 
 
 @dataclass
@@ -99,8 +109,19 @@ def _ewma(old: float | None, new: float, weight: float) -> float:
     return new if old is None else old + weight * (new - old)
 
 
+KV_CROWDED = 0.9
+"""Past this share of its KV cache a replica may preempt requests or hold new ones back: its batch
+is no longer the one the latency model prices."""
 MAX_BUSY_S = 30.0
 """The longest a replica's 429 (and its Retry-After) keeps requests away from it."""
+
+
+@dataclass(frozen=True)
+class Stay:
+    """A request's time on a replica: when it was sent, and the replica's `request_seconds` then."""
+
+    sent: float
+    request_seconds: float
 
 
 class Replica:
@@ -120,8 +141,10 @@ class Replica:
         """Callbacks of the attempts relaying an answer from here, called if it is found hung:
         their streams go on elsewhere."""
         self.in_flight = 0
-        self._busy = (0.0, 0.0)
-        """`busy_seconds` at the last change of `in_flight`, and when that was."""
+        self._requests = (0.0, 0.0)
+        """`request_seconds` at the last change of `in_flight`, and when that was."""
+        self.crowded_at = -math.inf
+        """When a scrape last showed requests held back in it, or its KV cache nearly full."""
         self.prefilling = 0
         self.prefill_tokens = 0
         self.dispatched = 0
@@ -134,7 +157,7 @@ class Replica:
         self.recent_accepted = 0.0
         self.observed_ttft_s: float | None = None
         self.observed_tpot_s: float | None = None
-        self.fit = fit if fit is not None else LatencyFit(settings.fit_window, settings.fit_prior_weight)
+        self.fit = fit if fit is not None else settings.latency_fit()
         """The step costs of its pool, re-fitted from the answers of all its replicas."""
         self._rates = (_Rate(self.settings.rate_window_s), _Rate(self.settings.burst_window_s))
         self._dispatched_at_scrape = 0
@@ -149,28 +172,26 @@ class Replica:
 
     # --- the gateway's own accounting ---------------------------------------------------------
 
-    def busy_seconds(self, now: float) -> float:
-        """The gateway's requests on it, integrated over time (request-seconds)."""
-        return self._busy[0] + self.in_flight * max(now - self._busy[1], 0.0)
-
-    def mean_in_flight(self, mark: float, since: float, now: float) -> float | None:
-        """The mean of the gateway's requests on it from `since` (when `busy_seconds` was `mark`)
-        to `now`; None over no time."""
-        return (self.busy_seconds(now) - mark) / (now - since) if now > since else None
+    def request_seconds(self, now: float) -> float:
+        """The gateway's requests on it, integrated over time."""
+        return self._requests[0] + self.in_flight * max(now - self._requests[1], 0.0)
 
     def _count(self, change: int, now: float | None) -> None:
         at = time.monotonic() if now is None else now
-        self._busy = (self.busy_seconds(at), max(at, self._busy[1]))
+        self._requests = (self.request_seconds(at), max(at, self._requests[1]))
         self.in_flight += change
 
-    def dispatched_one(self, prompt_tokens: int = 0, now: float | None = None) -> None:
+    def dispatched_one(self, prompt_tokens: int = 0, now: float | None = None) -> Stay:
+        """A request sent to it: its stay, for `observe` when it is answered."""
+        at = time.monotonic() if now is None else now
         self.dispatched += 1
-        self._count(1, now)
+        self._count(1, at)
         self.prefilling += 1
         self.prefill_tokens += prompt_tokens
         if now is not None:
             for rate in self._rates:
                 rate.add(prompt_tokens, now)
+        return Stay(at, self.request_seconds(at))
 
     def prompt_rates(self, now: float) -> tuple[float, float]:
         """Prompts and prompt tokens sent per second lately: over the longer window, or over the
@@ -187,22 +208,37 @@ class Replica:
             self.first_byte(prompt_tokens)
 
     def observe(
-        self, ttft_s: float | None, tpot_s: float | None, terms: Priced | None = None, in_flight: float | None = None
+        self,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        terms: Priced | None = None,
+        stay: Stay | None = None,
+        now: float | None = None,
+        step_s: float | None = None,
     ) -> None:
-        """Record what a request saw; with the terms of the predictions it was routed on (and the
-        mean of our requests here over its life, `mean_in_flight`), re-fit the pool's step costs."""
+        """Record what a request saw; with the terms of the predictions it was routed on, re-fit
+        the pool's step costs: from its TTFT and `step_s`, the median time between the events of
+        its stream, at the batch it decoded beside over its `stay` (ended `now`), if the replica
+        stayed uncrowded meanwhile (`LatencyFit.observe`)."""
         w = self.settings.smoothing
         if ttft_s is not None:
             self.observed_ttft_s = _ewma(self.observed_ttft_s, ttft_s, w)
         if tpot_s is not None:
             self.observed_tpot_s = _ewma(self.observed_tpot_s, tpot_s, w)
-        if terms is not None and (ttft_s is not None or tpot_s is not None):
-            self.fit.observe(
-                ttft_s * 1e3 if ttft_s is not None else None,
-                tpot_s * 1e3 if tpot_s is not None else None,
-                terms,
-                in_flight,
-            )
+        if terms is None:
+            return
+        in_flight, steady = None, True
+        if stay is not None:
+            end = time.monotonic() if now is None else now
+            if end > stay.sent:
+                in_flight = (self.request_seconds(end) - stay.request_seconds) / (end - stay.sent)
+            # uncrowded at the scrape before it was sent, and at every one since
+            steady = self.crowded_at < stay.sent - self.settings.scrape_interval_s
+
+        def ms(seconds: float | None) -> float | None:
+            return seconds * 1e3 if seconds is not None else None
+
+        self.fit.observe(ms(ttft_s), ms(tpot_s), terms, in_flight, steady=steady, step_ms=ms(step_s))
 
     # --- health -------------------------------------------------------------------------------
 
@@ -242,6 +278,11 @@ class Replica:
         self._check_progress(load, now)
         previous, self.load = self.load, load
         self.scraped_at = now
+        # Requests still waiting a scrape later: the replica holds them back (a newcomer waits in
+        # its queue only until the next step).
+        queued = (load.waiting or 0.0) > 0 and previous is not None and (previous.waiting or 0.0) > 0
+        if queued or (load.kv_usage or 0.0) >= KV_CROWDED:
+            self.crowded_at = now
         self._dispatched_at_scrape = dispatched_at_send
         if load.spec is not None:
             if self._last_spec is not None:
@@ -322,7 +363,7 @@ class Fleet:
     def __init__(self, pools: dict[Pool, list[str]], settings: FleetSettings) -> None:
         self.settings = settings
         self.replicas: dict[str, Replica] = {}
-        self.fits = {pool: LatencyFit(settings.fit_window, settings.fit_prior_weight) for pool in pools}
+        self.fits = {pool: settings.latency_fit() for pool in pools}
         """Each pool's step costs, re-fitted from the answers of all its replicas."""
         prefix = {Pool.SPECULATIVE: "spec", Pool.PLAIN: "plain"}
         for pool, urls in pools.items():

@@ -13,9 +13,10 @@ CORRECTION_RANGE = (0.2, 5.0)
 
 @dataclass(frozen=True)
 class Scales:
-    """The profile's step cost as the fleet measures it: each term of a step's time scaled by what
-    the pool's answers show (`workers/latency_fit.py`), and a fixed time before any first token
-    that no engine step accounts for (the server's HTTP, tokenization and scheduling)."""
+    """The profile's step cost as the fleet measures it (`workers/latency_fit.py`): each term of a
+    step's time scaled by what the pool's answers show, a fixed time before any first token that
+    no engine step accounts for (the server's HTTP, tokenization and scheduling), and what the
+    steps so priced still miss of the TTFT and TPOT the pool's requests see."""
 
     fixed: float = 1.0
     """The cost of a step with one sequence at no context: launch, scheduling, sampling."""
@@ -24,6 +25,10 @@ class Scales:
     prefill: float = 1.0
     """What a step's prompt tokens add to it."""
     overhead_ms: float = 0.0
+    ttft_factor: float = 1.0
+    """Measured over predicted TTFT, smoothed, left after the fitted step costs: what the model's
+    picture of the replica misses (a queue it does not see, a batch that is not the one priced)."""
+    tpot_factor: float = 1.0
 
     def step_ms(self, terms: tuple[float, float, float]) -> float:
         """A step (or a sum of steps) given as its profile-priced fixed, decode and prefill parts."""
