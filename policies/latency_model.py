@@ -237,7 +237,7 @@ class LatencyModel:
         harm = batch * (max(stall, 0.0) + max(joined_ms - decode_ms, 0.0) * stay_steps) * factor if batch else 0.0
         priced = Priced(
             self.profile.name, (*ttft_terms, 1.0), tpot_terms, (*joined, 0.0), replica.in_flight, per_sequence,
-            queued=replica.prefill_tokens > 0, stall_share=share,
+            queued=replica.prefill_tokens > 0, stall_share=max(share, rate * joined_ms / 1e3),
         )  # fmt: skip
         return Prediction(
             ttft_ms=ttft_ms,

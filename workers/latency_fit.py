@@ -45,7 +45,7 @@ steps, and 1 where the overhead before the first token adds to it (a TTFT), else
 
 WINDOW = 300.0
 """Over about how many recent answers a pool's step costs are fitted."""
-PRIOR_WEIGHT = 5.0
+PRIOR_WEIGHT = 20.0
 """As how many answers the profile's own step costs count."""
 SMOOTHING = 0.05
 """Weight of the newest answer in the TTFT and TPOT factors that the fitted steps still miss."""
@@ -79,8 +79,9 @@ class Priced:
     """Prompts were waiting for their first token there: its TTFT waits on their prefill, which
     the gateway counts but cannot time."""
     stall_share: float = 0.0
-    """The share of the replica's time the model expects arriving prompts' prefill to take: past
-    MAX_STALL_SHARE most steps carry some prefill, and the median gap is no longer a decode step."""
+    """The larger of the share of the replica's time the model expects arriving prompts' prefill
+    to take and the share of its steps they ride in: past MAX_STALL_SHARE the median gap between
+    events may be a step with some prefill, no longer a decode step."""
 
     def step_over(self, in_flight: float | None) -> Terms:
         """The step at the batch the request really decoded beside: `in_flight`, the mean of the
