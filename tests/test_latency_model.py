@@ -191,11 +191,11 @@ def test_a_batch_that_changes_under_a_request_is_not_read_as_other_decode_costs(
     # A light prior: what is measured here is the fit's reading of the batch, not the prior's pull.
     fits = {"life": LatencyFit(prior_weight=1.0), "dispatch": LatencyFit(prior_weight=1.0)}
     for _ in range(300):
-        sent, life = rng.randrange(0, 40), rng.uniform(1, 41)
+        sent, mean = rng.randrange(0, 40), round(rng.uniform(1, 41))
         priced = model.predict(idle(pool, in_flight=sent), FEATURES).terms
-        decoded = model.predict(idle(pool, in_flight=round(life) - 1), FEATURES)
+        decoded = model.predict(idle(pool, in_flight=mean - 1), FEATURES)
         step = predicted_ms(Scales(), decoded.terms.step)
-        fits["life"].observe(None, decoded.tpot_ms, priced, round(life), step_ms=step)
+        fits["life"].observe(None, decoded.tpot_ms, priced, mean, step_ms=step)
         fits["dispatch"].observe(None, decoded.tpot_ms, priced, step_ms=step)
     life, dispatch = fits["life"].scales, fits["dispatch"].scales
     for scale in (life.fixed, life.decode):
