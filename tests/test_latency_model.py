@@ -201,3 +201,23 @@ def test_a_batch_that_changes_under_a_request_is_not_read_as_other_decode_costs(
     for scale in (life.fixed, life.decode):
         assert scale == pytest.approx(1.0, abs=0.03)
     assert dispatch.decode < 0.9 < 1.0 < dispatch.fixed
+
+
+def test_a_pool_seldom_chosen_starts_from_what_the_other_learned() -> None:
+    """Both pools run the same model on the same hardware: when the speculative pool's answers
+    show a profile twice too slow, the plain pool, which has had no answer yet, is predicted on
+    nearly what they show, not on the profile the policy would otherwise never see corrected."""
+    model = LatencyModel(H100_LLAMA31_8B)
+    fleet = Fleet({Pool.SPECULATIVE: ["http://s"], Pool.PLAIN: ["http://p"]}, FleetSettings())
+    spec = fleet.replicas["spec-0"]
+    truth = Scales(0.5, 0.5, 0.5)
+    rng = random.Random(3)
+    for _ in range(300):
+        priced = model.predict(replace(_state(rng, Pool.SPECULATIVE), scales=spec.fit.scales), _request(rng)).terms
+        ttft_s, tpot_s, step_s = (predicted_ms(truth, t) / 1e3 for t in (priced.ttft, priced.tpot, priced.step))
+        spec.observe(ttft_s, tpot_s, priced, step_s=step_s)
+    learned = fleet.snapshot(0.0).replicas[1].scales
+    assert fleet.fits[Pool.PLAIN].answers == 0
+    for scale in (learned.fixed, learned.decode, learned.prefill):
+        assert 0.5 <= scale < 0.6  # as far as the other pool's answers outweigh the prior: nearly all the way
+    assert (learned.ttft_factor, learned.tpot_factor) == (1.0, 1.0)  # what the model misses is each pool's own

@@ -35,6 +35,7 @@ the step costs'.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from specgate.workers.snapshot import CORRECTION_RANGE, Scales
@@ -139,20 +140,42 @@ class LatencyFit:
         self._prior = [[(shape * ((i == j) - 1 / 3) + level / 3) if i < 3 and j < 3 else 0.0 for j in range(4)]
                        for i in range(4)]  # fmt: skip
         self._prior[3][3] = prior_weight / OVERHEAD_PRIOR_MS**2
-        self._at_prior = [sum(self._prior[i][j] * (1.0, 1.0, 1.0, 0.0)[j] for j in range(4)) for i in range(4)]
-        """R θ0."""
+        self._prior_weight = prior_weight
+        self.siblings: list[LatencyFit] = []
+        """The fits of the fleet's other pools: the same hardware and model, so what they learn of
+        the profile is this one's prior (`center_on`)."""
         self._forget()
 
+    def center_on(self, sibling: LatencyFit) -> None:
+        """Center the prior on what `sibling`, the fit of another pool of the fleet, has learned,
+        as far as its fitted answers bear it out (none: the profile; as many as the prior weighs:
+        halfway): the replicas of both pools run the same model on the same hardware, so a
+        profile of other hardware is off for both, and a pool the policy seldom chooses starts
+        from what the other has shown instead of from a profile known to be off."""
+        n = sibling.fitted
+        share = n / (n + self._prior_weight)
+        theirs = sibling.scales
+        center = (
+            1.0 + share * (theirs.fixed - 1.0),
+            1.0 + share * (theirs.decode - 1.0),
+            1.0 + share * (theirs.prefill - 1.0),
+            share * theirs.overhead_ms,
+        )
+        self._at_prior = [sum(self._prior[i][j] * center[j] for j in range(4)) for i in range(4)]
+        self._solve()
+
     def _forget(self) -> None:
+        self._at_prior = [sum(self._prior[i][j] * (1.0, 1.0, 1.0, 0.0)[j] for j in range(4)) for i in range(4)]
+        """R θ0, θ0 the prior's center: the profile's own costs, until `center_on` says otherwise."""
         self._xx = [[0.0] * 4 for _ in range(4)]
         """Decayed sums over the answers of x xᵀ, x the relative terms."""
         self._xy = [0.0] * 4
         self._residual = (0.0, 0.0)
         """Decayed sum of the squared relative residuals of the fit, and of their weights."""
         self._errors: dict[str, tuple[float, float]] = {}
-        self.scales = Scales()
+        self.scales: Scales = Scales()
         self.answers = 0
-        self.fitted = 0
+        self.fitted: int = 0
         self._stderr = (0.0, 0.0, 0.0, 0.0)
 
     def follow(self, basis: str) -> None:
@@ -246,12 +269,16 @@ class LatencyFit:
                     self._xx[i][j] += x[i] * x[j]
         self.fitted += 1
         self._solve(rows)
+        for sibling in self.siblings:
+            sibling.center_on(self)
 
     def _error(self, kind: str, log_ratio: float) -> None:
         total, weight = self._errors.get(kind, (0.0, 0.0))
         self._errors[kind] = (total * self._keep + log_ratio * log_ratio, weight * self._keep + 1.0)
 
-    def _solve(self, rows: list[tuple[list[float], float]]) -> None:
+    def _solve(self, rows: Sequence[tuple[list[float], float]] = ()) -> None:
+        """The scales from the answers so far and the prior; `rows`, the newest answer's
+        equations, join the residuals the standard errors rest on."""
         a = [[self._xx[i][j] + self._prior[i][j] for j in range(4)] for i in range(4)]
         b = [self._xy[i] + self._at_prior[i] for i in range(4)]
         inverse = _inverse(a)
@@ -271,7 +298,7 @@ class LatencyFit:
             r = y - sum(x[i] * theta[i] for i in range(4))
             total, weight = total * self._keep + r * r, weight * self._keep + 1.0
         self._residual = (total, weight)
-        variance = total / weight
+        variance = total / weight if weight > 0 else 0.0
         self._stderr = (
             math.sqrt(variance * inverse[0][0]),
             math.sqrt(variance * inverse[1][1]),

@@ -364,7 +364,10 @@ class Fleet:
         self.settings = settings
         self.replicas: dict[str, Replica] = {}
         self.fits = {pool: settings.latency_fit() for pool in pools}
-        """Each pool's step costs, re-fitted from the answers of all its replicas."""
+        """Each pool's step costs, re-fitted from the answers of all its replicas (and a prior
+        centered on what the other pool's show)."""
+        for pool, fit in self.fits.items():
+            fit.siblings = [other for p, other in self.fits.items() if p is not pool]
         prefix = {Pool.SPECULATIVE: "spec", Pool.PLAIN: "plain"}
         for pool, urls in pools.items():
             for i, url in enumerate(urls):
