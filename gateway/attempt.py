@@ -78,6 +78,7 @@ class Outcome:
     stay: Stay | None = None
     """When it was sent to the replica, and how loaded that was (for the step-cost fit)."""
     ended: float = 0.0
+    """When the replica was done with it (monotonic clock)."""
     step_s: float | None = None
     """The median time between the stream's reads after the first: one engine step each, as
     vLLM sends an event a step (more when it is too busy to send each)."""

@@ -205,11 +205,10 @@ class LatencyFit:
         (a stall by a prompt's prefill is an outlier there, not the median, while prompts take a
         small share of the replica's time) against one step of its batch, and the TTFT of a
         request that found no prompt queued ahead of it (its own prefill and part of a step).
-        Only answers from a steady replica (nothing held back in it,
-        room in its KV cache, then and throughout) count: past that, requests wait for memory,
-        are preempted and swapped back, the model's batch is not the replica's, and the answer
-        would teach the step costs the wrong lesson. Every answer counts in the prediction error
-        and in the factors."""
+        Only answers from a steady replica (nothing held back in it, room in its KV cache, then
+        and throughout) count: past that, requests wait for memory, are preempted and swapped
+        back, the model's batch is not the replica's, and the answer would teach the step costs
+        the wrong lesson. Every answer counts in the prediction error and in the factors."""
         if self.basis is None:
             self.basis = priced.basis
         elif priced.basis != self.basis:
