@@ -126,7 +126,7 @@ def _fit(fit: LatencyFit, model: LatencyModel, pool: Pool) -> dict[str, object]:
         "fitted": report.fitted,
         "basis": fit.basis,
         "scales": {term: round(getattr(scales, term), 4) for term in ("fixed", "decode", "prefill")},
-        "stderr": dict(zip(("fixed", "decode", "prefill"), (round(e, 4) for e in report.stderr), strict=False)),
+        "stderr": dict(zip(("fixed", "decode", "prefill"), (round(e, 4) for e in report.stderr[:3]), strict=True)),
         "ttft_overhead_ms": round(scales.overhead_ms, 3),
         "ttft_overhead_stderr_ms": round(report.stderr[3], 3),
         "factors": {"ttft": round(scales.ttft_factor, 4), "tpot": round(scales.tpot_factor, 4)},

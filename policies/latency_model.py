@@ -206,7 +206,7 @@ class LatencyModel:
             tokens_per_step = 1.0
         # What prefilling one prompt token costs the decoding batch, as the profile prices it: the
         # rate of prompts is measured in real time, and the prefill scale brings it there.
-        per_token_ms = self._terms(pool, running + 1, context, prompt)[2] / prompt
+        per_token_ms = max(self._terms(pool, running + 1, context, prompt)[2], 0.0) / prompt
         arriving = replica.prefill_tokens_per_s / replica.arrivals_per_s if replica.arrivals_per_s > 0 else prompt
         factor = scales.tpot_factor
         stall_ms = arriving * per_token_ms * scales.prefill * factor

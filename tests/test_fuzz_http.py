@@ -23,7 +23,10 @@ from tests.test_gateway_http import MESSAGES, MODEL, SimFactory, sim
 
 pytestmark = pytest.mark.slow
 
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics", "/admin/policy")
+PATHS = (
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics", "/admin/policy",
+    "/admin/fleet",
+)  # fmt: skip
 ROUTING = ("x-slo-ttft-ms", "x-slo-tpot-ms", "x-route-pool", "x-priority", "x-request-id", "x-request-class",
            "x-expected-output-tokens", "x-failover")  # fmt: skip
 OTHER = ("content-type", "content-encoding", "transfer-encoding", "connection", "authorization", "expect", "host",
