@@ -5,11 +5,12 @@ import statistics
 
 import pytest
 
-from specgate.calibration.costs import TableStepModel
+from specgate.calibration.costs import Batch, TableStepModel
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import (
     A100_CODELLAMA_34B,
     DEFAULT_PROFILE,
+    H100_LLAMA31_8B,
     PROFILES,
     WHITEPAPER,
     Profile,
@@ -93,3 +94,24 @@ def test_default_profile_is_the_measured_one() -> None:
 def test_unknown_profile_names_the_known_ones() -> None:
     with pytest.raises(KeyError, match="whitepaper"):
         get_profile("nope")
+
+
+def test_a_profile_on_other_hardware_scales_each_part_of_a_step() -> None:
+    """`Profile.elsewhere` (the refit benchmark's replicas): decoding and drafting, prefill and the
+    CPU time per step each scaled by its own factor, and nothing else changed."""
+    base = H100_LLAMA31_8B
+    other = base.elsewhere("other", decode=2.0, prefill=0.5, fixed=3.0)
+    decoding, prompt = Batch(8, 1, 1024), Batch(0, 1, 0, 512, 1)
+    both = Batch(8, 1, 1024, 512, 1)
+    assert other.steps.forward_ms(decoding) == pytest.approx(2.0 * base.steps.forward_ms(decoding))
+    assert other.steps.forward_ms(prompt) == pytest.approx(0.5 * base.steps.forward_ms(prompt))
+    prefill_part = base.steps.forward_ms(both) - base.steps.forward_ms(decoding)
+    assert other.steps.forward_ms(both) == pytest.approx(2.0 * base.steps.forward_ms(decoding) + 0.5 * prefill_part)
+    assert other.steps.overhead_ms(8) == pytest.approx(3.0 * base.steps.overhead_ms(8))
+    k = base.spec.num_speculative_tokens
+    assert other.spec.draft.step_ms(k, 8, 8192) == pytest.approx(2.0 * base.spec.draft.step_ms(k, 8, 8192))
+    assert other.spec.draft.prefill_ms(512) == pytest.approx(0.5 * base.spec.draft.prefill_ms(512))
+    assert (other.kv_capacity_tokens, other.spec.acceptance_mean) == (
+        base.kv_capacity_tokens,
+        base.spec.acceptance_mean,
+    )
