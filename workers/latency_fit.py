@@ -43,6 +43,8 @@ from specgate.workers.snapshot import CORRECTION_RANGE, Scales
 Terms = tuple[float, float, float, float]
 """A prediction as the profile prices it, term by term: the fixed, decode and prefill parts of its
 steps, and 1 where the overhead before the first token adds to it (a TTFT), else 0."""
+_PROFILE: Terms = (1.0, 1.0, 1.0, 0.0)
+"""The scales and overhead that leave the profile as it is."""
 
 WINDOW = 300.0
 """Over about how many recent answers a pool's step costs are fitted."""
@@ -155,18 +157,23 @@ class LatencyFit:
         n = sibling.fitted
         share = n / (n + self._prior_weight)
         theirs = sibling.scales
-        center = (
-            1.0 + share * (theirs.fixed - 1.0),
-            1.0 + share * (theirs.decode - 1.0),
-            1.0 + share * (theirs.prefill - 1.0),
-            share * theirs.overhead_ms,
+        self._center(
+            (
+                1.0 + share * (theirs.fixed - 1.0),
+                1.0 + share * (theirs.decode - 1.0),
+                1.0 + share * (theirs.prefill - 1.0),
+                share * theirs.overhead_ms,
+            )
         )
-        self._at_prior = [sum(self._prior[i][j] * center[j] for j in range(4)) for i in range(4)]
         self._solve()
 
+    def _center(self, center: Terms) -> None:
+        """Center the prior on `center` (scales and overhead)."""
+        self._at_prior = [sum(self._prior[i][j] * center[j] for j in range(4)) for i in range(4)]
+        """R θ0, θ0 the prior's center."""
+
     def _forget(self) -> None:
-        self._at_prior = [sum(self._prior[i][j] * (1.0, 1.0, 1.0, 0.0)[j] for j in range(4)) for i in range(4)]
-        """R θ0, θ0 the prior's center: the profile's own costs, until `center_on` says otherwise."""
+        self._center(_PROFILE)  # the profile's own costs, until `center_on` says otherwise
         self._xx = [[0.0] * 4 for _ in range(4)]
         """Decayed sums over the answers of x xᵀ, x the relative terms."""
         self._xy = [0.0] * 4
@@ -215,11 +222,13 @@ class LatencyFit:
             return
         rows = []
         measured = {}
+        factors = {"ttft": self.scales.ttft_factor, "tpot": self.scales.tpot_factor}
         for kind, seen, terms in (("ttft", ttft_ms, priced.ttft), ("tpot", tpot_ms, priced.tpot)):
-            if seen is None or seen <= 0 or not math.isfinite(seen) or predicted_ms(self.scales, terms) <= 0:
+            predicted = predicted_ms(self.scales, terms)
+            if seen is None or seen <= 0 or not math.isfinite(seen) or predicted <= 0:
                 continue
             measured[kind] = (seen, terms)
-            self._error(kind, math.log(seen / (predicted_ms(self.scales, terms) * self._factor(kind))))
+            self._error(kind, math.log(seen / (predicted * factors[kind])))
         if not measured:
             return
         self.answers += 1
@@ -235,16 +244,12 @@ class LatencyFit:
         # What the step costs, as now fitted, still miss of predictions as they are made (at the
         # batch when the request is sent): a smoothed ratio by kind, each answer moving it a
         # bounded step.
-        factors = {"ttft": self.scales.ttft_factor, "tpot": self.scales.tpot_factor}
         low, high = CORRECTION_RANGE
         for kind, (seen, terms) in measured.items():
             predicted = predicted_ms(self.scales, terms) * factors[kind]
             step = max(-_MAX_FACTOR_STEP, min(_MAX_FACTOR_STEP, math.log(seen / predicted)))
             factors[kind] = min(max(factors[kind] * math.exp(self._smoothing * step), low), high)
         self.scales = replace(self.scales, ttft_factor=factors["ttft"], tpot_factor=factors["tpot"])
-
-    def _factor(self, kind: str) -> float:
-        return self.scales.ttft_factor if kind == "ttft" else self.scales.tpot_factor
 
     def _fit(self, measured: list[tuple[float, Terms]]) -> None:
         """Fit the answer's equations: each relative to its prediction, the measurement bounded."""
