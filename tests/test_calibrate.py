@@ -96,9 +96,9 @@ async def test_calibrating_simulated_servers_predicts_what_they_do(tmp_path: Pat
                          "--model", "m") for mode in ("plain", "speculative")]  # fmt: skip
     try:
         result = await calibrate([s.url for s in servers], QUICK, PROFILES["h100-llama31-8b"], "mine")
-        # Each request draws its own acceptance (a Beta around the mean): enough of them that the
-        # medians compare the profiles, not the draws.
-        work = Workload(concurrency=(1, 4), prompt_tokens=256, output_tokens=48, rounds=12)
+        # Each request draws its own acceptance (a Beta around the mean): enough of them (24 at each
+        # load) that the medians compare the profiles, not the draws.
+        work = Workload(concurrency=(1, 4), prompt_tokens=256, output_tokens=48, rounds=6)
         modes = ("plain", "speculative")
         urls = [s.url for s in servers]
         truth_points = await measure(urls, work, dict(zip(urls, modes, strict=True)))

@@ -1,6 +1,8 @@
 """The [launch] section: vLLM command lines, the speculative config, and flags vLLM removed or never had."""
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +11,7 @@ import pytest
 from specgate.calibration.modes import Pool
 from specgate.cli import main
 from specgate.gateway.config import ConfigError, load_settings, parse_settings
+from specgate.workers import launch
 from specgate.workers.vllm_launch import LaunchConfigError, parse_launch
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -97,12 +100,32 @@ SPEC_KEY = "launch.speculative[0].speculative_config"
         (with_("args", "--enforce-eager"), "launch.args"),
         (with_("speculative", []) | {"plain": []}, "launch"),
         (with_("wings", 2), "launch.wings"),
+        (with_("plain.0.cpus", [-1]), "launch.plain[0].cpus"),
+        (with_("plain.0.cpus", "0-3"), "launch.plain[0].cpus"),
     ],
 )  # fmt: skip
 def test_errors_name_the_key(doc: dict[str, Any], key: str) -> None:
     with pytest.raises(LaunchConfigError) as exc:
         parse_launch(doc)
     assert str(exc.value).startswith(key)
+
+
+def test_a_server_pinned_to_cpus_runs_there_with_every_process_it_starts(tmp_path: Path) -> None:
+    """vLLM's API server starts its engine core and workers itself: they must keep to its CPUs."""
+    cpu = max(os.sched_getaffinity(0))
+    plan = parse_launch(with_("plain.0.cpus", [cpu]), tmp_path)
+    assert (plan.servers[0].cpus, plan.servers[1].cpus) == ((), (cpu,))
+    script = (
+        "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0)), flush=True); "
+        "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])"
+    )
+    log = tmp_path / "child.log"
+    proc = launch.spawn([sys.executable, "-c", script], log, cpus=plan.servers[1].cpus)
+    assert proc.wait(timeout=30) == 0
+    assert log.read_text().split("\n")[:2] == [f"[{cpu}]", f"[{cpu}]"]
+    unpinned = launch.spawn([sys.executable, "-c", script], log)
+    assert unpinned.wait(timeout=30) == 0
+    assert log.read_text().split("\n")[0] == str(sorted(os.sched_getaffinity(0)))
 
 
 def test_the_gateway_routes_to_the_launched_servers_when_no_pools_are_given() -> None:

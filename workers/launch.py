@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -33,10 +33,23 @@ def _die_with_parent() -> None:
 
 
 def spawn(
-    argv: Sequence[str], log: Path, *, env: Mapping[str, str] | None = None, detach: bool = False
+    argv: Sequence[str],
+    log: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    detach: bool = False,
+    cpus: Collection[int] = (),
 ) -> subprocess.Popen[bytes]:
     """Start a child with its output in `log`, in a session (and process group) of its own. It
-    dies with this process unless `detach`, which leaves it running."""
+    dies with this process unless `detach`, which leaves it running. With `cpus`, it and every
+    process it starts run on those CPUs only."""
+
+    def prepare() -> None:
+        if not detach:
+            _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
     with log.open("wb") as out:
         return subprocess.Popen(
             list(argv),
@@ -44,7 +57,7 @@ def spawn(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            preexec_fn=None if detach else _die_with_parent,
+            preexec_fn=prepare,
             start_new_session=True,
         )
 

@@ -19,6 +19,7 @@
     [[launch.plain]]
     port = 8102
     env = { CUDA_VISIBLE_DEVICES = "1" }
+    cpus = [8, 9, 10, 11]                # optional: the CPUs this server's processes run on
 
 Every speculative server needs a `speculative_config`, passed as vLLM's `--speculative-config` JSON;
 a plain server must not have one. Flags that vLLM removed or never had are refused with the flag to
@@ -99,6 +100,7 @@ class _Server(_Table, frozen=True):
     speculative_config: dict[str, Any] | None = None
     model: NonEmpty | None = None
     host: NonEmpty | None = None
+    cpus: list[Annotated[int, Meta(ge=0)]] = msgspec.field(default_factory=list)
 
 
 class _Launch(_Table, frozen=True):
@@ -140,6 +142,10 @@ class ServerSpec:
     args: tuple[str, ...] = ()
     speculative_config: Mapping[str, Any] | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()
+    """The CPUs its processes run on (API server, engine core, workers); empty: any. Servers that
+    share a host's CPUs slow each other down (the engine core and the API server of a busy vLLM
+    server take a good part of a core beside the model's own); pinned, each keeps to its own."""
 
     @property
     def name(self) -> str:
@@ -231,6 +237,7 @@ def _plan(launch_table: _Launch, base: Path) -> LaunchPlan:
                     args=common_args + check_args(f"{key}.args", entry.args),
                     speculative_config=spec_config,
                     env={**launch_table.env, **entry.env},
+                    cpus=tuple(entry.cpus),
                 )
             )
     if not servers:
@@ -258,7 +265,8 @@ def start(plan: LaunchPlan, *, detach: bool = False) -> list[Running]:
     running = []
     for spec in plan.servers:
         log = plan.log_dir / f"{spec.name}.log"
-        proc = launch.spawn(spec.argv(), log, env={"HF_HUB_OFFLINE": "1", **spec.env}, detach=detach)
+        env = {"HF_HUB_OFFLINE": "1", **spec.env}
+        proc = launch.spawn(spec.argv(), log, env=env, detach=detach, cpus=spec.cpus)
         running.append(Running(spec, proc, log))
     if detach:
         record = [{"name": r.spec.name, "pid": r.proc.pid, "url": r.spec.url, "log": str(r.log)} for r in running]
