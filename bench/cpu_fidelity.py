@@ -9,8 +9,9 @@ concurrency: the same requests at each, that many sent at once (prompts of rando
 length, as the calibration's: nothing for n-gram speculation to copy; a fixed answer length,
 `ignore_eos`; `rounds` times as many as the highest concurrency); TTFT and TPOT are the medians
 over the requests, as the client sees them. Then the servers stop, a `specgate sim` per server runs
-the calibrated profile in real time, and it is measured the same way. The figures go to DIR/results.json, and `specgate bench fidelity` renders
-them into docs/fidelity.md (it is rewritten here too).
+the calibrated profile in real time, and it is measured the same way. The figures go to
+DIR/results.json, and `specgate bench fidelity` renders them into docs/fidelity.md (it is
+rewritten here too).
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ async def load_point(
     ttfts: list[float] = []
     tpots: list[float] = []
     per_step: list[float] = []
-    for start in range(0, len(prompts), clients):
-        group = prompts[start : start + clients]
+    for first in range(0, len(prompts), clients):
+        group = prompts[first : first + clients]
         for t in await asyncio.gather(*(one(session, server, p, output_tokens) for p in group)):
             ttfts.append(t.ttft_s * 1e3)
             tpots.append((t.events[-1] - t.events[0]) * 1e3 / max(output_tokens - 1, 1))
