@@ -5,10 +5,11 @@
 
 Starts one n-gram speculative and one plain vLLM server of SmolLM2-135M-Instruct on this CPU
 (scripts/setup-vllm), calibrates them (`specgate calibrate`), and measures each at every
-concurrency: the same requests at each, that many sent at once (prompts of random token ids of one
-length, as the calibration's: nothing for n-gram speculation to copy; a fixed answer length,
-`ignore_eos`; `rounds` times as many as the highest concurrency); TTFT and TPOT are the medians
-over the requests, as the client sees them. Then the servers stop, a `specgate sim` per server runs
+concurrency: as many requests at each, each its own (prompts of random token ids of one length,
+as the calibration's: nothing for n-gram speculation to copy; a fixed answer length, `ignore_eos`;
+`rounds` times as many as the highest concurrency), that many in flight in a closed loop whose
+clients start spread over one request's time alone; TTFT and TPOT are the medians over the
+requests, as the client sees them. Then the servers stop, a `specgate sim` per server runs
 the calibrated profile in real time, and it is measured the same way. The figures go to
 DIR/results.json, and `specgate bench fidelity` renders them into docs/fidelity.md (it is
 rewritten here too).
@@ -31,7 +32,7 @@ from pathlib import Path
 import aiohttp
 
 from specgate.bench import fidelity
-from specgate.bench.calibrate import FULL, QUICK, Server, calibrate, drafting, one, probe, progress_bar
+from specgate.bench.calibrate import FULL, QUICK, Server, Timing, calibrate, drafting, one, probe, progress_bar
 from specgate.calibration import profile_file
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
@@ -72,42 +73,55 @@ class Point:
 
 
 async def load_point(
-    session: aiohttp.ClientSession, server: Server, clients: int, prompts: Sequence[list[int]], output_tokens: int
-) -> tuple[float, float, float]:
-    """Median TTFT and TPOT (ms) and tokens per step of `prompts`, sent `clients` at once."""
-    ttfts: list[float] = []
-    tpots: list[float] = []
-    per_step: list[float] = []
-    for first in range(0, len(prompts), clients):
-        group = prompts[first : first + clients]
-        for t in await asyncio.gather(*(one(session, server, p, output_tokens) for p in group)):
-            ttfts.append(t.ttft_s * 1e3)
-            tpots.append((t.events[-1] - t.events[0]) * 1e3 / max(output_tokens - 1, 1))
-            per_step.append((output_tokens - 1) / max(len(t.events) - 1, 1))
+    session: aiohttp.ClientSession, server: Server, clients: int, prompts: Sequence[list[int]], output_tokens: int,
+    stagger_s: float = 0.0,
+) -> tuple[float, float, float]:  # fmt: skip
+    """Median TTFT and TPOT (ms) and tokens per step of `prompts` with `clients` requests in flight:
+    a closed loop (each client sends its next request when its last one ends), the clients starting
+    `stagger_s` apart. Sent in one burst, whether a request joins the others' prefill or waits for
+    the next step is a race between the server's HTTP front and its engine, which a server with its
+    front on its own core and one without run differently; arriving spread out, as independent
+    clients' requests do, each meets the batch the load makes."""
+    queue = list(reversed(prompts))
+    timings: list[Timing] = []
+
+    async def client(index: int) -> None:
+        await asyncio.sleep(index * stagger_s)
+        while queue:
+            timings.append(await one(session, server, queue.pop(), output_tokens))
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    ttfts = [t.ttft_s * 1e3 for t in timings]
+    tpots = [(t.events[-1] - t.events[0]) * 1e3 / max(output_tokens - 1, 1) for t in timings]
+    per_step = [(output_tokens - 1) / max(len(t.events) - 1, 1) for t in timings]
     return statistics.median(ttfts), statistics.median(tpots), statistics.median(per_step)
 
 
-def prompts_of(work: Workload) -> list[list[int]]:
-    """The requests of every load point: the same ones at each concurrency, `rounds` times as many
-    as the highest one sends at once, so what a speculative server accepts (a property of the
-    content) is the same at every point, and the points differ only in load."""
-    rng = random.Random(work.seed)
+def prompts_of(work: Workload, clients: int) -> list[list[int]]:
+    """The requests of one load point, `rounds` times as many as the highest concurrency sends at
+    once: as many at every point, so that what a speculative server accepts (a property of the
+    content) averages over as many prompts at each, but fresh ones at each, so that no point finds
+    another's prompts in the server's prefix cache."""
+    rng = random.Random(f"{work.seed}-{clients}")
     count = work.rounds * max(work.concurrency)
     return [[rng.randrange(1000, 9000) for _ in range(work.prompt_tokens)] for _ in range(count)]
 
 
 async def measure(urls: Sequence[str], work: Workload, mode_of: dict[str, str]) -> list[Point]:
     """Every server at every concurrency of `work`, one after the other."""
-    prompts = prompts_of(work)
     points = []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         for url in urls:
             server = await probe(session, url)
-            await load_point(session, server, 2, prompts[:2], work.output_tokens)  # warm it
+            warm = await one(session, server, prompts_of(work, 0)[0], work.output_tokens)  # warms it, times one alone
+            alone_s = warm.events[-1] - warm.events[0] + warm.ttft_s
             for clients in work.concurrency:
+                prompts = prompts_of(work, clients)
                 before = await drafting(session, server) if server.speculative else None
-                ttft, tpot, per_step = await load_point(session, server, clients, prompts, work.output_tokens)
+                ttft, tpot, per_step = await load_point(
+                    session, server, clients, prompts, work.output_tokens, alone_s / clients
+                )
                 after = await drafting(session, server) if before is not None else None
                 alpha = None
                 if before is not None and after is not None and (delta := after - before).counters.drafts > 0:

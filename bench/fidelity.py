@@ -44,12 +44,13 @@ def cpu_section(results: dict[str, Any]) -> str:
         "",
         f"`{results['command']}`: the n-gram speculative and plain CPU servers of real_vllm.md, calibrated "
         f"(`specgate calibrate`, {results['sweep']} sweep), then `specgate sim` on that profile in real time. "
-        f"The same requests at every load, that many sent at once: {results['prompt_tokens']}-token prompts of "
-        f"random token ids, {results['output_tokens']} tokens each (`ignore_eos`), {results['rounds']} times as "
-        "many requests as the most sent at once; medians as the client sees them. Off by: simulated over "
-        "real, less one.",
+        f"As many requests at every load, fresh ones: {results['prompt_tokens']}-token prompts of random token ids, "
+        f"{results['output_tokens']} tokens each (`ignore_eos`), {results['rounds']} times as many requests as the "
+        "most in flight, that many in flight in a closed loop whose clients start spread over one request's "
+        "time alone; medians as the client sees them. Off by: simulated over real, less one.",
         "",
-        "| server | at once | TTFT ms, real | sim | off by | TPOT ms, real | sim | off by | tokens/step, real / sim |",
+        "| server | in flight | TTFT ms, real | sim | off by | TPOT ms, real | sim | off by "
+        "| tokens/step, real / sim |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:

@@ -223,7 +223,7 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path, case: s
 
 
 def _fmt(v: object) -> str:
-    return f"{v:.0f}" if isinstance(v, float) and v == v else "-"
+    return f"{v:.0f}" if isinstance(v, (int, float)) and v == v else "-"
 
 
 def _median(values: list[float | None]) -> float:

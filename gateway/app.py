@@ -53,7 +53,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         connector=aiohttp.TCPConnector(limit_per_host=4, ttl_dns_cache=300, enable_cleanup_closed=True),
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
-    metrics = GatewayMetrics(fleet, with_store=settings.store.url is not None)
+    metrics = GatewayMetrics(fleet, with_store=settings.store.url is not None, prices=settings.usd_per_replica_hour)
     store = PolicyStore.connect(settings.store.url, settings.store.prefix) if settings.store.url else None
     control = PolicyControl(
         metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s, settings.profiles

@@ -75,6 +75,10 @@ class Outcome:
     tpot_s: float | None = None
     streamed: bool = False
     completion_tokens: int | None = None
+    """As the answer's usage says; None without one (a stream that did not ask for it)."""
+    generated: int = 0
+    """Tokens it generated: the usage's count, else, streamed, one a content event (a speculative
+    replica's events carry several: a lower bound there)."""
     stay: Stay | None = None
     """When it was sent to the replica, and how loaded that was (for the step-cost fit)."""
     ended: float = 0.0
@@ -266,6 +270,7 @@ class Attempt:
         # The client sees nothing before the whole answer: its first byte is the end.
         self.outcome.ttft_s = time.monotonic() - self.started
         self.outcome.completion_tokens = completion_tokens(body)
+        self.outcome.generated = self.outcome.completion_tokens or 0
         return web.Response(status=upstream.status, body=body, headers=self._response_headers(upstream))
 
     async def _client_stream(self, upstream: aiohttp.ClientResponse) -> ClientStream:
@@ -335,6 +340,7 @@ class Attempt:
             self.outcome.ttft_s = first_at - self.started
             self.outcome.completion_tokens = completion_tokens(previous + last)
             tokens = self.outcome.completion_tokens or max(events - 2, 0)
+            self.outcome.generated = tokens
             if tokens > 1:
                 self.outcome.tpot_s = (watchdog.last - first_at) / (tokens - 1)
             if gaps:

@@ -123,6 +123,8 @@ class GatewaySettings:
     """Bearer token of the admin API (/admin/policy); None turns the API off."""
     auth: AuthSettings = field(default_factory=AuthSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
+    usd_per_replica_hour: Mapping[Pool, float] = field(default_factory=dict)
+    """The price of a replica-hour per pool ([pricing]): the cost per million tokens in /metrics."""
     profiles: Mapping[str, Profile] = field(default_factory=lambda: PROFILES)
     """The profiles a policy document may name: the built-in ones and those loaded from files."""
 
@@ -211,6 +213,19 @@ class _Auth(_Section, frozen=True):
     keys: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
 
+class _Pricing(_Section, frozen=True):
+    usd_per_replica_hour: Annotated[float, Meta(ge=0, le=1e6)] | None = None
+    """What a replica costs an hour, in either pool; unset: no costs in /metrics."""
+    speculative_usd_per_replica_hour: Annotated[float, Meta(ge=0, le=1e6)] | None = None
+    plain_usd_per_replica_hour: Annotated[float, Meta(ge=0, le=1e6)] | None = None
+    """One pool's own price, where its replicas cost otherwise."""
+
+    def prices(self) -> dict[Pool, float]:
+        own = {Pool.SPECULATIVE: self.speculative_usd_per_replica_hour, Pool.PLAIN: self.plain_usd_per_replica_hour}
+        chosen = {pool: value if value is not None else self.usd_per_replica_hour for pool, value in own.items()}
+        return {pool: price for pool, price in chosen.items() if price is not None}
+
+
 class _Profiles(_Section, frozen=True):
     files: list[NonEmpty] = msgspec.field(default_factory=list)
     """Profile files (`specgate calibrate` writes them), relative to the config file."""
@@ -230,6 +245,7 @@ class _File(_Section, frozen=True):
     admin: _Admin | None = None
     auth: _Auth = _Auth()
     profiles: _Profiles = _Profiles()
+    pricing: _Pricing = _Pricing()
     policy: dict[str, Any] = msgspec.field(default_factory=dict)
     launch: dict[str, Any] | None = None
 
@@ -332,6 +348,7 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
         ),
         admin_token=admin_token("admin.token", file.admin.token) if file.admin is not None else None,
         auth=AuthSettings(file.auth.enabled, _client_keys(file.auth, base)),
+        usd_per_replica_hour=file.pricing.prices(),
         fleet=FleetSettings(
             scrape_interval_s=scrape.interval_ms / 1e3,
             scrape_timeout_s=scrape.timeout_ms / 1e3,

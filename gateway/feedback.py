@@ -2,9 +2,10 @@
 
 After every request: the request counter by pool, reason and status (the gateway's own refusals
 and errors included), the access log line when it is on, and, from a successful answer, the
-output length for its group, the replica's observed TTFT and TPOT and the re-fit of its pool's
-step costs, on a speculative replica the speedup of the request's group over the pool's mean
-acceptance, the latency histograms, the prediction error and the SLO outcome.
+tokens it generated (the pool's throughput, which prices its tokens), the output length for its
+group, the replica's observed TTFT and TPOT and the re-fit of its pool's step costs, on a
+speculative replica the speedup of the request's group over the pool's mean acceptance, the
+latency histograms, the prediction error and the SLO outcome.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class Feedback:
         if outcome.status >= 400:
             return
         features, headers = journey.features, journey.headers
+        if outcome.generated:
+            self.metrics.output_tokens.labels(pool).inc(outcome.generated)
+            self.metrics.tokens.add(replica.pool, outcome.generated, time.monotonic())
         if outcome.completion_tokens is not None:
             self.lengths.observe(
                 features.model, features.prompt_tokens, outcome.completion_tokens, headers.request_class

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from functools import partial
 from operator import attrgetter
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from specgate.calibration.modes import Pool
+from specgate.calibration.pricing import usd_per_million_tokens
+from specgate.gateway.throughput import TokenRate
 from specgate.workers.latency_fit import FitReport, LatencyFit
 from specgate.workers.pools import Fleet, Replica
 
@@ -86,9 +90,47 @@ def _fit_gauges(r: CollectorRegistry, fleet: Fleet) -> None:
         answers.labels(name, "fitted").set_function(reader(fit, attrgetter("fitted")))
 
 
+def _cost_gauges(
+    r: CollectorRegistry, fleet: Fleet, tokens: TokenRate, prices: Mapping[Pool, float], clock: Callable[[], float]
+) -> None:
+    """Each pool's throughput over the last minute and, where its replicas have a price, what a
+    million of its tokens cost at that throughput (`calibration/pricing.py`)."""
+    rate = Gauge("specgate_output_tokens_per_second", "Tokens the pool generated a second over the last "
+                 "minute, as this gateway relayed them.", ("pool",), registry=r)  # fmt: skip
+    cost = Gauge("specgate_usd_per_million_output_tokens", "What a million of the pool's tokens cost at its "
+                 "throughput over the last minute: its admitted replicas' price per hour ([pricing]) over the "
+                 "tokens they generated; +Inf while they generate none.", ("pool",), registry=r)  # fmt: skip
+
+    def per_second(pool: Pool) -> float:
+        return tokens.per_second(pool, clock())
+
+    def usd(pool: Pool, price: float) -> float:
+        admitted = sum(1 for rep in fleet.replicas.values() if rep.pool is pool and rep.healthy)
+        return usd_per_million_tokens(price * admitted, per_second(pool))
+
+    for pool in dict.fromkeys(rep.pool for rep in fleet.replicas.values()):
+        rate.labels(pool.value).set_function(partial(per_second, pool))
+        if pool in prices:
+            cost.labels(pool.value).set_function(partial(usd, pool, prices[pool]))
+
+
 class GatewayMetrics:
-    def __init__(self, fleet: Fleet, *, with_store: bool = False) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        with_store: bool = False,
+        prices: Mapping[Pool, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.registry = r = CollectorRegistry()
+        self.tokens = TokenRate(clock())
+        """What each pool generated lately, as this gateway relayed it: its throughput."""
+        self.output_tokens = _Children(Counter(
+            "specgate_output_tokens", "Tokens generated (completion tokens answered), per pool.",
+            ("pool",), registry=r,
+        ))  # fmt: skip
+        _cost_gauges(r, fleet, self.tokens, prices or {}, clock)
         self.requests = _Children(Counter(
             "specgate_requests", "Requests answered, by pool, routing reason and HTTP status.",
             ("pool", "reason", "status"), registry=r,

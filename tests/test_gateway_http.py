@@ -254,6 +254,34 @@ async def gateway_sample(url: str, name: str, **labels: str) -> float | None:
         return sample_value(await r.text(), name, **labels)
 
 
+async def test_each_pool_s_throughput_and_the_cost_of_its_tokens(fleet: dict[Pool, list[SimProcess]]) -> None:
+    prices = {Pool.SPECULATIVE: 3.49, Pool.PLAIN: 1.0}
+    async with running_gateway(settings_for(urls(fleet), usd_per_replica_hour=prices)) as url, client(url) as api:
+        assert await gateway_sample(url, "specgate_output_tokens_per_second", pool="plain") == 0.0
+        assert await gateway_sample(url, "specgate_usd_per_million_output_tokens", pool="plain") == float("inf")
+        for pool, tokens in (("speculative", 20), ("plain", 30)):
+            await api.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=tokens, extra_body={"ignore_eos": True},
+                extra_headers={"x-route-pool": pool},
+            )  # fmt: skip
+        stream = await api.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=10, stream=True, extra_body={"ignore_eos": True},
+            extra_headers={"x-route-pool": "plain"},
+        )  # fmt: skip
+        async for _ in stream:  # no usage asked for: its tokens are counted from its events
+            pass
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+            text = await r.text()
+    assert sample_value(text, "specgate_output_tokens_total", pool="speculative") == 20
+    assert sample_value(text, "specgate_output_tokens_total", pool="plain") == 40
+    for pool, price in prices.items():
+        rate = sample_value(text, "specgate_output_tokens_per_second", pool=pool.value)
+        assert rate is not None
+        assert rate > 0
+        cost = sample_value(text, "specgate_usd_per_million_output_tokens", pool=pool.value)
+        assert cost == pytest.approx(price / (rate * 3600) * 1e6, rel=0.05)  # one replica a pool
+
+
 async def test_a_request_no_replica_could_serve_even_idle_is_refused_at_once(gateway: str) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 40_000}], "max_tokens": 5}
     async with (
