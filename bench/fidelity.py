@@ -71,15 +71,18 @@ def cpu_section(results: dict[str, Any]) -> str:
         )
     calibrated = results["profile"]["profile"]["spec"]["acceptance_mean"]
     shown = [r["acceptance_real"] for r in results["rows"] if r.get("acceptance_real") and not r.get("label")]
+    per_load = results["rounds"] * max(r["clients"] for r in results["rows"])
     lines += [
         "",
         f"What a speculative server accepts depends on what it is asked: the calibration's prompts gave a = "
         f"{calibrated:.2f} per draft token and step, these requests a = "
         + ", ".join(f"{a:.2f}" for a in shown)
-        + " (read from the real server's counters at each load); the simulated replica runs the profile's "
-        "mean, and again with what the server showed here. Requests sent at once reach a server a few "
-        "milliseconds apart: whether the second joins the first's prefill or waits for the next step is "
-        "timing, in the real server and the simulated one alike, so TTFT at 2 at once moves between runs.",
+        + f" (read from the real server's counters at each load, {per_load} fresh prompts each); the simulated "
+        "replica runs the profile's mean, and again the mean the server showed here. Each load has prompts "
+        "of its own: vLLM's prefix cache would serve prompts seen at another load with next to no prefill, "
+        "which the simulated replica does not model. Requests sent in one burst would time a race instead "
+        "of the servers (whether a request joins the others' prefill or waits for the next step depends on "
+        "how fast the server's HTTP front hands it on); spread out, each meets the batch its load makes.",
         "",
         "The calibration it ran on:",
         "",
