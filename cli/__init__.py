@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from specgate.cli import bench, calibrate, keys, policy, pools, serve, sim
+from specgate.cli import bench, calibrate, keys, plan, policy, pools, serve, sim
 from specgate.cli.running import configure_logging
 
-SUBCOMMANDS = (serve, sim, bench, calibrate, policy, pools, keys)
+SUBCOMMANDS = (serve, sim, bench, calibrate, plan, policy, pools, keys)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,179 @@
+"""`specgate plan`: which split of a fleet between the speculative and the plain pool serves a
+traffic best, and what its tokens cost.
+
+Every split of N replicas (0 to N speculative, the rest plain) routes the same trace in the offline
+simulator with the routing policy (adaptive unless told otherwise), a process per split. For each:
+SLO attainment, goodput, TTFT and TPOT p50 and p99, the tokens generated a second and, with a price
+per replica-hour, what a million of them cost (`calibration/pricing.py`): all the tokens served, and
+only those of requests that met their SLOs (what the traffic is paying for). At the traffic's own
+rate every split serves about as many tokens, so the first cost moves little; the second follows
+the attainment. Recommended: the split that meets the most SLOs; among those within half a point of
+it, the one whose good tokens cost least, then the one with the more speculative replicas' lower
+TPOT p99.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specgate.bench.offline import Fleetspec, Scenario, simulate
+from specgate.bench.traces import read_trace, scaled
+from specgate.calibration.pricing import usd_per_million_tokens
+from specgate.calibration.profiles import Profile
+
+TIE = 0.005
+"""Splits within this much SLO attainment of the best one count as as good."""
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    trace: Path
+    replicas: int
+    profile: Profile
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    price_per_hour: float | None = None
+    """USD per replica-hour, the same in either pool."""
+    policy: str = "adaptive"
+    rate_scale: float = 1.0
+    """The trace's requests arriving this many times as fast."""
+    max_requests: int = 2000
+    seed: int = 0
+    jobs: int = 1
+    splits: Sequence[int] = field(default=())
+    """Speculative replicas of each split to simulate; empty: every one from 0 to `replicas`."""
+
+    def speculative_counts(self) -> list[int]:
+        return sorted(set(self.splits)) if self.splits else list(range(self.replicas + 1))
+
+
+def run_split(settings: PlanSettings, speculative: int) -> dict[str, object]:
+    """One split of the fleet routing the trace: its figures, as `plan` reports them."""
+    trace = read_trace(settings.trace, settings.max_requests)
+    if settings.rate_scale != 1.0:
+        trace = scaled(trace, settings.rate_scale)
+    fleet = Fleetspec(speculative, settings.replicas - speculative)
+    scenario = Scenario(
+        settings.profile, fleet, settings.policy, settings.slo_ttft_ms, settings.slo_tpot_ms, seed=settings.seed
+    )
+    result = simulate(trace, scenario)
+    summary = result.summary()
+    tokens = sum(s.output_tokens for s in result.served)
+    good = sum(s.output_tokens for s in result.served if s.meets())
+    span = result.span_s or 1e-9
+    row: dict[str, object] = {
+        "speculative": speculative, "plain": fleet.plain, "fleet": fleet.label, **summary,
+        "tokens_per_s": tokens / span, "good_tokens_per_s": good / span,
+    }  # fmt: skip
+    if settings.price_per_hour is not None:
+        fleet_per_hour = settings.price_per_hour * settings.replicas
+        row["usd_per_million_tokens"] = usd_per_million_tokens(fleet_per_hour, tokens / span)
+        row["usd_per_million_good_tokens"] = usd_per_million_tokens(fleet_per_hour, good / span)
+    return row
+
+
+def _sort_key(row: dict[str, object]) -> tuple[float, float]:
+    cost = row.get("usd_per_million_good_tokens", 0.0)
+    p99 = row["tpot_p99_ms"]
+    assert isinstance(cost, float | int)
+    assert isinstance(p99, float | int)
+    return (float(cost), float(p99) if not math.isnan(p99) else math.inf)
+
+
+def recommend(rows: Sequence[dict[str, object]]) -> dict[str, object]:
+    """The split that meets the most SLOs; within `TIE` of it, the cheapest good tokens, then the
+    lowest TPOT p99."""
+    best = max(float(str(r["slo_attainment"])) for r in rows)
+    contenders = [r for r in rows if float(str(r["slo_attainment"])) >= best - TIE]
+    return min(contenders, key=_sort_key)
+
+
+def plan(settings: PlanSettings) -> dict[str, object]:
+    counts = settings.speculative_counts()
+    if settings.replicas < 1 or any(not 0 <= c <= settings.replicas for c in counts):
+        raise ValueError(f"splits of {settings.replicas} replicas need 0 to {settings.replicas} speculative ones")
+    jobs = max(min(settings.jobs, len(counts)), 1)
+    if jobs == 1:
+        rows = [run_split(settings, c) for c in counts]
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            rows = list(pool.map(run_split, [settings] * len(counts), counts))
+    chosen = recommend(rows)
+    return {
+        "trace": str(settings.trace),
+        "replicas": settings.replicas,
+        "profile": settings.profile.name,
+        "policy": settings.policy,
+        "slo_ttft_ms": settings.slo_ttft_ms,
+        "slo_tpot_ms": settings.slo_tpot_ms,
+        "rate_scale": settings.rate_scale,
+        "price_per_hour": settings.price_per_hour,
+        "splits": rows,
+        "recommended": chosen["speculative"],
+    }
+
+
+def _cell(value: object, digits: int = 0) -> str:
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else ("inf" if math.isinf(value) else f"{value:.{digits}f}")
+    return str(value)
+
+
+def table(results: dict[str, object]) -> str:
+    """The splits side by side, the recommended one marked, in Markdown."""
+    rows = results["splits"]
+    assert isinstance(rows, list)
+    priced = results.get("price_per_hour") is not None
+    head = "| split | SLO attainment | goodput req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | tokens/s | spec share |"
+    rule = "|---|---|---|---|---|---|---|"
+    if priced:
+        head += " $/M tokens | $/M good tokens |"
+        rule += "---|---|"
+    lines = [head, rule]
+    for r in rows:
+        mark = " (recommended)" if r["speculative"] == results["recommended"] else ""
+        line = (
+            f"| {r['fleet']}{mark} | {r['slo_attainment']:.3f} | {_cell(r['goodput_rps'], 2)} | "
+            f"{_cell(r['ttft_p50_ms'])} / {_cell(r['ttft_p99_ms'])} | {_cell(r['tpot_p50_ms'], 1)} / "
+            f"{_cell(r['tpot_p99_ms'], 1)} | {_cell(r['tokens_per_s'])} | {r['spec_share']:.2f} |"
+        )
+        if priced:
+            line += f" {_cell(r['usd_per_million_tokens'], 2)} | {_cell(r['usd_per_million_good_tokens'], 2)} |"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, object], path: Path) -> None:
+    """SLO attainment (and the cost of good tokens, when priced) against the speculative replicas."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["splits"]
+    assert isinstance(rows, list)
+    xs = [r["speculative"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, [r["slo_attainment"] for r in rows], marker="o", label="SLO attainment")
+    ax.set_xlabel(f"speculative replicas (of {results['replicas']})")
+    ax.set_ylabel("SLO attainment")
+    ax.set_ylim(0, 1.05)
+    ax.axvline(float(str(results["recommended"])), color="grey", linestyle=":", label="recommended")
+    if results.get("price_per_hour") is not None:
+        cost = ax.twinx()
+        values = [r["usd_per_million_good_tokens"] for r in rows]
+        cost.plot(xs, [v if math.isfinite(v) else float("nan") for v in values], marker="s", color="tab:red",
+                  label="$ per million good tokens")  # fmt: skip
+        cost.set_ylabel("$ per million tokens of requests that met their SLOs")
+    ax.legend(loc="lower left")
+    ax.set_title(
+        f"{Path(str(results['trace'])).name}: TTFT {results['slo_ttft_ms']} / TPOT {results['slo_tpot_ms']} ms"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,67 @@
+"""`specgate plan`: every split of a fleet simulated on a traffic, the best one recommended, its
+tokens priced."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from specgate.bench.plan import PlanSettings, plan, recommend, table
+from specgate.calibration.pricing import usd_per_million_tokens
+from specgate.calibration.profiles import A100_CODELLAMA_34B
+from specgate.cli import main
+
+
+def light_trace(tmp_path: Path, requests: int = 60) -> Path:
+    """Long answers, a request every two seconds: far below any split's capacity."""
+    path = tmp_path / "light.csv"
+    rows = "".join(f"{2.0 * i},200,200\n" for i in range(requests))
+    path.write_text("timestamp_s,input_tokens,output_tokens\n" + rows)
+    return path
+
+
+def test_a_tpot_only_speculation_meets_needs_a_speculative_replica(tmp_path: Path) -> None:
+    # The A100 profile decodes at 38 ms a token plain and 18 with speculation: a 30 ms target is
+    # out of a plain replica's reach at any load.
+    settings = PlanSettings(light_trace(tmp_path), 2, A100_CODELLAMA_34B, 2000.0, 30.0, price_per_hour=3.49)
+    results = plan(settings)
+    rows = {r["speculative"]: r for r in results["splits"]}  # type: ignore[attr-defined]
+    assert sorted(rows) == [0, 1, 2]
+    assert rows[0]["slo_attainment"] < 0.1
+    assert rows[1]["slo_attainment"] > 0.9  # the adaptive policy sends them to the speculative one
+    assert results["recommended"] in (1, 2)
+    for row in rows.values():
+        expected = usd_per_million_tokens(2 * 3.49, row["tokens_per_s"])
+        assert row["usd_per_million_tokens"] == pytest.approx(expected)
+        assert row["usd_per_million_good_tokens"] >= row["usd_per_million_tokens"]
+    assert math.isinf(rows[0]["usd_per_million_good_tokens"])  # no request met its SLOs
+    text = table(results)
+    assert "(recommended)" in text
+    assert "$/M good tokens" in text
+
+
+def test_the_recommendation_breaks_ties_on_the_cost_of_good_tokens() -> None:
+    rows = [
+        {"speculative": 0, "slo_attainment": 0.95, "usd_per_million_good_tokens": 5.0, "tpot_p99_ms": 40.0},
+        {"speculative": 1, "slo_attainment": 0.953, "usd_per_million_good_tokens": 4.0, "tpot_p99_ms": 45.0},
+        {"speculative": 2, "slo_attainment": 0.90, "usd_per_million_good_tokens": 1.0, "tpot_p99_ms": 20.0},
+    ]
+    assert recommend(rows)["speculative"] == 1  # 2 is cheaper but meets five points fewer
+
+
+def test_the_command_prints_writes_and_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = light_trace(tmp_path, 30)
+    args = ["plan", "--trace", str(trace), "--replicas", "2", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "30"]
+    out = ["--json", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png"), "--jobs", "2"]
+    assert main([*args, "--price-per-hour", "3.49", *out]) == 0
+    printed = capsys.readouterr().out
+    assert "recommended:" in printed
+    results = json.loads((tmp_path / "plan.json").read_text())
+    assert [r["speculative"] for r in results["splits"]] == [0, 1, 2]
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+    assert main([*args, "--profile", "tpu-v9"]) == 2
+    assert main([*args, "--policy", "fastest-ever"]) == 2
+    assert main([*args[:-4], "--trace", str(tmp_path / "missing.csv"), *args[-4:]]) == 2
