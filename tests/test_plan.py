@@ -44,7 +44,7 @@ def test_a_tpot_only_speculation_meets_needs_a_speculative_replica(tmp_path: Pat
 
 
 def test_the_recommendation_breaks_ties_on_the_cost_of_good_tokens() -> None:
-    rows = [
+    rows: list[dict[str, object]] = [
         {"speculative": 0, "slo_attainment": 0.95, "usd_per_million_good_tokens": 5.0, "tpot_p99_ms": 40.0},
         {"speculative": 1, "slo_attainment": 0.953, "usd_per_million_good_tokens": 4.0, "tpot_p99_ms": 45.0},
         {"speculative": 2, "slo_attainment": 0.90, "usd_per_million_good_tokens": 1.0, "tpot_p99_ms": 20.0},
