@@ -64,7 +64,11 @@ def load_plan(path: Path) -> LaunchPlan | None:
 
 
 async def _run_up(plan: LaunchPlan, detach: bool) -> int:
-    servers = start(plan, detach=detach)
+    try:
+        servers = start(plan, detach=detach)
+    except launch.LaunchError as exc:  # nothing started
+        print(f"specgate pools: {exc}", file=sys.stderr)
+        return 1
     print(f"specgate pools: starting {len(servers)} vLLM servers; logs in {plan.log_dir}", file=sys.stderr)
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()

@@ -12,7 +12,7 @@ from specgate.calibration.modes import Pool
 from specgate.cli import main
 from specgate.gateway.config import ConfigError, load_settings, parse_settings
 from specgate.workers import launch
-from specgate.workers.vllm_launch import LaunchConfigError, parse_launch
+from specgate.workers.vllm_launch import LaunchConfigError, parse_launch, start
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 LAUNCH: dict[str, Any] = {
@@ -128,6 +128,14 @@ def test_a_server_pinned_to_cpus_runs_there_with_every_process_it_starts(tmp_pat
     assert log.read_text().split("\n")[0] == str(sorted(os.sched_getaffinity(0)))
 
 
+def test_a_server_pinned_to_cpus_it_may_not_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    missing = max(os.sched_getaffinity(0)) + 1
+    plan = parse_launch(with_("plain.0.cpus", [missing]) | {"log_dir": str(tmp_path / "logs")}, tmp_path)
+    with pytest.raises(launch.LaunchError, match=rf"plain-0: cpus \[{missing}\] are not all CPUs"):
+        start(plan)
+    assert not (tmp_path / "logs").exists()  # nothing started, not even the speculative server
+
+
 def test_the_gateway_routes_to_the_launched_servers_when_no_pools_are_given() -> None:
     settings = parse_settings({"launch": LAUNCH})
     assert settings.models == ("smol",)
@@ -145,6 +153,10 @@ def test_pools_commands_refuse_bad_configs(tmp_path: Path) -> None:
     config.write_text('[models]\nserved = ["m"]\n')
     assert main(["pools", "up", "--config", str(config)]) == 2  # nothing to start
     assert main(["pools", "down", "--config", str(tmp_path / "missing.toml")]) == 2
+    missing = max(os.sched_getaffinity(0)) + 1
+    config.write_text(f'[launch]\nmodel = "m"\nlog_dir = "logs"\n[[launch.plain]]\nport = 8102\ncpus = [{missing}]\n')
+    assert main(["pools", "up", "--config", str(config)]) == 1  # refused before anything starts
+    assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.parametrize(("name", "spec", "plain"), [("cpu.toml", 1, 1), ("gpu.toml", 4, 4)])

@@ -261,6 +261,12 @@ class Running:
 
 
 def start(plan: LaunchPlan, *, detach: bool = False) -> list[Running]:
+    usable = os.sched_getaffinity(0)
+    for spec in plan.servers:
+        if not set(spec.cpus) <= usable:
+            raise launch.LaunchError(
+                f"{spec.name}: cpus {list(spec.cpus)} are not all CPUs this machine lets it use ({sorted(usable)})"
+            )
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     running = []
     for spec in plan.servers:
