@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specgate.bench.offline import Fleetspec, Scenario, simulate
-from specgate.bench.traces import read_trace, scaled
+from specgate.bench.traces import TraceRequest, read_trace, scaled
 from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import Profile
 
@@ -51,11 +51,8 @@ class PlanSettings:
         return sorted(set(self.splits)) if self.splits else list(range(self.replicas + 1))
 
 
-def run_split(settings: PlanSettings, speculative: int) -> dict[str, object]:
+def run_split(settings: PlanSettings, trace: list[TraceRequest], speculative: int) -> dict[str, object]:
     """One split of the fleet routing the trace: its figures, as `plan` reports them."""
-    trace = read_trace(settings.trace, settings.max_requests)
-    if settings.rate_scale != 1.0:
-        trace = scaled(trace, settings.rate_scale)
     fleet = Fleetspec(speculative, settings.replicas - speculative)
     scenario = Scenario(
         settings.profile, fleet, settings.policy, settings.slo_ttft_ms, settings.slo_tpot_ms, seed=settings.seed
@@ -96,12 +93,15 @@ def plan(settings: PlanSettings) -> dict[str, object]:
     counts = settings.speculative_counts()
     if settings.replicas < 1 or any(not 0 <= c <= settings.replicas for c in counts):
         raise ValueError(f"splits of {settings.replicas} replicas need 0 to {settings.replicas} speculative ones")
+    trace = read_trace(settings.trace, settings.max_requests)  # once: it may be a pipe
+    if settings.rate_scale != 1.0:
+        trace = scaled(trace, settings.rate_scale)
     jobs = max(min(settings.jobs, len(counts)), 1)
     if jobs == 1:
-        rows = [run_split(settings, c) for c in counts]
+        rows = [run_split(settings, trace, c) for c in counts]
     else:
         with ProcessPoolExecutor(jobs) as pool:
-            rows = list(pool.map(run_split, [settings] * len(counts), counts))
+            rows = list(pool.map(run_split, [settings] * len(counts), [trace] * len(counts), counts))
     chosen = recommend(rows)
     return {
         "trace": str(settings.trace),

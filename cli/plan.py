@@ -4,7 +4,7 @@ a traffic best, from every split simulated with the routing policy.
     specgate plan --trace FILE --replicas N --slo-ttft-ms T --slo-tpot-ms P
                   [--profile NAME | --profile-file FILE] [--price-per-hour USD]
                   [--policy adaptive] [--rate-scale 1] [--max-requests 2000]
-                  [--json FILE] [--plot FILE] [--jobs J]
+                  [--json FILE|-] [--plot FILE] [--jobs J]
 
 Prints a table (SLO attainment, goodput, TTFT and TPOT p50/p99, tokens a second, and with a price
 the cost per million tokens, all and of requests that met their SLOs) and the recommended split.
@@ -42,7 +42,9 @@ def add_command(sub: Subcommands) -> None:
     p.add_argument("--max-requests", type=positive_int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1)
-    p.add_argument("--json", type=Path, metavar="FILE", help="write every split's figures here")
+    p.add_argument(
+        "--json", metavar="FILE", help="write every split's figures here (-: to stdout, instead of the table)"
+    )
     p.add_argument("--plot", type=Path, metavar="FILE", help="write a plot (PNG) here")
     p.set_defaults(func=run)
 
@@ -73,12 +75,16 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, TraceError, ValueError) as exc:
         print(f"specgate plan: {exc}", file=sys.stderr)
         return 2
-    print(table(results))
-    chosen = next(r for r in results["splits"] if r["speculative"] == results["recommended"])  # type: ignore[attr-defined]
-    print(f"recommended: {chosen['fleet']} (SLO attainment {chosen['slo_attainment']:.3f})")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    if args.json == "-":
+        print(json.dumps(results))
+    else:
+        print(table(results))
+        chosen = next(r for r in results["splits"] if r["speculative"] == results["recommended"])  # type: ignore[attr-defined]
+        print(f"recommended: {chosen['fleet']} (SLO attainment {chosen['slo_attainment']:.3f})")
+    if args.json and args.json != "-":
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1) + "\n")
     if args.plot:
         plot(results, args.plot)
     return 0

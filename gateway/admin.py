@@ -26,7 +26,7 @@ from aiohttp import web
 from specgate.calibration.modes import Pool
 from specgate.gateway.errors import BadRequest, GatewayError, Unauthorized
 from specgate.gateway.policy_sync import STORE_ERRORS
-from specgate.gateway.state import FLEET, POLICY, SETTINGS
+from specgate.gateway.state import ADVISOR, FLEET, POLICY, SETTINGS
 from specgate.gateway.store import VersionConflict
 from specgate.policies.document import DocumentError, loads
 from specgate.policies.latency_model import LatencyModel
@@ -150,7 +150,9 @@ async def get_fleet(request: web.Request) -> web.Response:
     snapshot = fleet.snapshot(time.monotonic(), plan.profile)
     replicas = [_replica(r) for r in snapshot.replicas]
     pools = {pool.value: _fit(fit, plan.model, pool) for pool, fit in fleet.fits.items()}
-    return _json({"profile": plan.profile, "replicas": replicas, "pools": pools})
+    advice = request.app[ADVISOR].advice
+    advisor = advice.view() if advice is not None else None
+    return _json({"profile": plan.profile, "replicas": replicas, "pools": pools, "advisor": advisor})
 
 
 def add_admin_routes(app: web.Application) -> None:

@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
-from collections.abc import AsyncIterator, Callable
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable, Mapping
+from functools import partial
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
+from specgate.calibration import profile_file
+from specgate.calibration.modes import Pool
+from specgate.calibration.profiles import PROFILES, Profile
 from specgate.gateway.admin import add_admin_routes
 from specgate.gateway.admission import AdmissionControl
+from specgate.gateway.advisor import Advisor
 from specgate.gateway.clients import Clients, merged, parse_keys
 from specgate.gateway.config import GatewaySettings
 from specgate.gateway.errors import SERVER, openai_errors
@@ -27,7 +36,7 @@ from specgate.gateway.metrics import GatewayMetrics
 from specgate.gateway.policy_sync import STORE_ERRORS, PolicyControl
 from specgate.gateway.relay import Relay
 from specgate.gateway.server import GuardedRunner
-from specgate.gateway.state import FLEET, METRICS, POLICY, RELAY, SESSION, SETTINGS
+from specgate.gateway.state import ADVISOR, FLEET, METRICS, POLICY, RELAY, SESSION, SETTINGS
 from specgate.gateway.store import PolicyStore
 from specgate.protocol.serving import serve_until_cancelled
 from specgate.validation import Invalid
@@ -60,14 +69,20 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     )
     admission = AdmissionControl(fleet, metrics)
     clients = Clients(settings.auth.keys) if settings.auth.enabled else None
-    relay = Relay(settings, fleet, session, metrics, control, admission, clients)
+    files = _profile_files(settings.profiles) if settings.advisor.enabled else {}
+    advisor = Advisor(settings.advisor, partial(_split, fleet), lambda: control.plan.profile, files)
+    relay = Relay(settings, fleet, session, metrics, control, admission, clients, advisor.window)
+    metrics.advise(advisor)
     app[SESSION], app[FLEET], app[METRICS], app[RELAY], app[POLICY] = session, fleet, metrics, relay, control
+    app[ADVISOR] = advisor
     # One round of scrapes before serving, so a gateway in front of live replicas is ready at once.
     await asyncio.gather(*(fleet.scrape_once(probes, r) for r in fleet.replicas.values()))
     tasks = [
         asyncio.create_task(fleet.scrape_forever(probes, r), name=f"scrape-{r.name}") for r in fleet.replicas.values()
     ]
     tasks.append(asyncio.create_task(admission.run(), name="admission"))
+    if settings.advisor.enabled:
+        tasks.append(asyncio.create_task(advisor.run(), name="advisor"))
     if store is not None:
         # Read the store once before serving (briefly: Redis down must not stop the gateway).
         with contextlib.suppress(*STORE_ERRORS, TimeoutError):
@@ -87,6 +102,26 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             await store.close()
         await session.close()
         await probes.close()
+        for path in files.values():
+            shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def _split(fleet: Fleet) -> tuple[int, int]:
+    """The fleet's speculative and plain replicas."""
+    pools = [r.pool for r in fleet.replicas.values()]
+    return pools.count(Pool.SPECULATIVE), pools.count(Pool.PLAIN)
+
+
+def _profile_files(profiles: Mapping[str, Profile]) -> dict[str, Path]:
+    """The profiles that are not built in, each written to a file of its own for the advisor's
+    plans (child processes) to read; at start-up, before serving."""
+    files = {}
+    for name, profile in profiles.items():
+        if name not in PROFILES:
+            folder = Path(tempfile.mkdtemp(prefix="specgate-advisor-"))
+            files[name] = folder / "profile.json"
+            files[name].write_bytes(profile_file.dumps(profile, "the gateway's profiles", datetime.date.today()))
+    return files
 
 
 async def follow_keys(clients: Clients, settings: GatewaySettings, store: PolicyStore) -> None:

@@ -38,6 +38,7 @@ from msgspec import Meta
 from specgate.calibration import profile_file
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import PROFILES, Profile
+from specgate.gateway.advisor import AdvisorSettings
 from specgate.gateway.clients import ClientKey, merged, parse_keys
 from specgate.gateway.server import Limits
 from specgate.policies.document import DocumentError, PolicyDocument
@@ -125,6 +126,8 @@ class GatewaySettings:
     fleet: FleetSettings = field(default_factory=FleetSettings)
     usd_per_replica_hour: Mapping[Pool, float] = field(default_factory=dict)
     """The price of a replica-hour per pool ([pricing]): the cost per million tokens in /metrics."""
+    advisor: AdvisorSettings = field(default_factory=AdvisorSettings)
+    """The live advisor ([advisor]): the split the recent traffic wants, planned in the background."""
     profiles: Mapping[str, Profile] = field(default_factory=lambda: PROFILES)
     """The profiles a policy document may name: the built-in ones and those loaded from files."""
 
@@ -226,6 +229,14 @@ class _Pricing(_Section, frozen=True):
         return {pool: price for pool, price in chosen.items() if price is not None}
 
 
+class _Advisor(_Section, frozen=True):
+    enabled: bool = True
+    interval_ms: Annotated[float, Meta(ge=1000, le=86_400_000)] = 300_000.0
+    window_ms: Annotated[float, Meta(ge=1000, le=86_400_000)] = 900_000.0
+    min_requests: Annotated[int, Meta(ge=1, le=1_000_000)] = 100
+    max_requests: Annotated[int, Meta(ge=1, le=1_000_000)] = 2000
+
+
 class _Profiles(_Section, frozen=True):
     files: list[NonEmpty] = msgspec.field(default_factory=list)
     """Profile files (`specgate calibrate` writes them), relative to the config file."""
@@ -246,6 +257,7 @@ class _File(_Section, frozen=True):
     auth: _Auth = _Auth()
     profiles: _Profiles = _Profiles()
     pricing: _Pricing = _Pricing()
+    advisor: _Advisor = _Advisor()
     policy: dict[str, Any] = msgspec.field(default_factory=dict)
     launch: dict[str, Any] | None = None
 
@@ -349,6 +361,13 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
         admin_token=admin_token("admin.token", file.admin.token) if file.admin is not None else None,
         auth=AuthSettings(file.auth.enabled, _client_keys(file.auth, base)),
         usd_per_replica_hour=file.pricing.prices(),
+        advisor=AdvisorSettings(
+            file.advisor.enabled,
+            file.advisor.interval_ms / 1e3,
+            file.advisor.window_ms / 1e3,
+            file.advisor.min_requests,
+            file.advisor.max_requests,
+        ),
         fleet=FleetSettings(
             scrape_interval_s=scrape.interval_ms / 1e3,
             scrape_timeout_s=scrape.timeout_ms / 1e3,

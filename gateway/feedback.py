@@ -2,7 +2,8 @@
 
 After every request: the request counter by pool, reason and status (the gateway's own refusals
 and errors included), the access log line when it is on, and, from a successful answer, the
-tokens it generated (the pool's throughput, which prices its tokens), the output length for its
+tokens it generated (the pool's throughput, which prices its tokens, and the recent traffic the
+live advisor plans on), the output length for its
 group, the replica's observed TTFT and TPOT and the re-fit of its pool's step costs, on a
 speculative replica the speedup of the request's group over the pool's mean acceptance, the
 latency histograms, the prediction error and the SLO outcome.
@@ -14,6 +15,7 @@ import logging
 import time
 
 from specgate.calibration.modes import Pool
+from specgate.gateway.advisor import Seen, TrafficWindow
 from specgate.gateway.attempt import Attempt
 from specgate.gateway.errors import GatewayError
 from specgate.gateway.journey import Journey
@@ -25,8 +27,18 @@ ACCESS_LOG = logging.getLogger("specgate.access")
 
 
 class Feedback:
-    def __init__(self, metrics: GatewayMetrics, lengths: LengthStats, drafts: DraftStats, *, access_log: bool) -> None:
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        lengths: LengthStats,
+        drafts: DraftStats,
+        *,
+        access_log: bool,
+        window: TrafficWindow | None = None,
+    ) -> None:
         self.metrics = metrics
+        self.window = window
+        """The recent traffic the live advisor plans on."""
         self.lengths = lengths
         self.drafts = drafts
         self.access_log = access_log
@@ -43,6 +55,9 @@ class Feedback:
         if outcome.generated:
             self.metrics.output_tokens.labels(pool).inc(outcome.generated)
             self.metrics.tokens.add(replica.pool, outcome.generated, time.monotonic())
+            if self.window is not None:
+                self.window.record(Seen(journey.arrived, features.prompt_tokens, outcome.generated,
+                                        features.slo_ttft_ms, features.slo_tpot_ms))  # fmt: skip
         if outcome.completion_tokens is not None:
             self.lengths.observe(
                 features.model, features.prompt_tokens, outcome.completion_tokens, headers.request_class

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -12,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from specgate.calibration.modes import Pool
 from specgate.calibration.pricing import usd_per_million_tokens
+from specgate.gateway.advisor import Advisor
 from specgate.gateway.throughput import TokenRate
 from specgate.workers.latency_fit import FitReport, LatencyFit
 from specgate.workers.pools import Fleet, Replica
@@ -197,6 +199,20 @@ class GatewayMetrics:
             "specgate_policy_store_up", "1 while the policy store (Redis) is reachable, 0 while it is not.",
             registry=r if with_store else None,
         )  # fmt: skip
+
+    def advise(self, advisor: Advisor) -> None:
+        """The live advisor's recommendation, read when /metrics is (NaN until its first plan)."""
+
+        def read(field: str) -> Callable[[], float]:
+            return lambda: float(getattr(advisor.advice, field)) if advisor.advice is not None else math.nan
+
+        r = self.registry
+        recommended = Gauge("specgate_recommended_speculative_replicas", "Speculative replicas of the split "
+                            "the live advisor recommends for the recent traffic.", registry=r)  # fmt: skip
+        gain = Gauge("specgate_recommended_split_gain", "The recommended split's predicted SLO attainment less "
+                     "the current split's, on the recent traffic.", registry=r)  # fmt: skip
+        recommended.set_function(read("recommended"))
+        gain.set_function(read("gain"))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

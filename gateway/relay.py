@@ -23,6 +23,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from specgate.gateway.admission import AdmissionControl
+from specgate.gateway.advisor import TrafficWindow
 from specgate.gateway.attempt import Attempt, RetryElsewhere, StreamBroke
 from specgate.gateway.body import parse_body
 from specgate.gateway.clients import Clients, check_rights
@@ -76,6 +77,7 @@ class Relay:
         plans: PlanSource,
         admission: AdmissionControl,
         clients: Clients | None = None,
+        window: TrafficWindow | None = None,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
@@ -87,7 +89,7 @@ class Relay:
         """Client keys, when they are required."""
         self.lengths = LengthStats()
         self.drafts = DraftStats()
-        self.feedback = Feedback(metrics, self.lengths, self.drafts, access_log=settings.access_log)
+        self.feedback = Feedback(metrics, self.lengths, self.drafts, access_log=settings.access_log, window=window)
         self._sequence = itertools.count(1)  # 0 would make the very first request an exploration
         self.routing = 0
         """Requests being routed or relayed now."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 
+from specgate.gateway.advisor import Advisor
 from specgate.gateway.config import GatewaySettings
 from specgate.gateway.metrics import GatewayMetrics
 from specgate.gateway.policy_sync import PolicyControl
@@ -17,3 +18,4 @@ FLEET = web.AppKey("fleet", Fleet)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 RELAY = web.AppKey("relay", Relay)
 POLICY = web.AppKey("policy", PolicyControl)
+ADVISOR = web.AppKey("advisor", Advisor)

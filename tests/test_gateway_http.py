@@ -8,6 +8,7 @@ import dataclasses
 import gzip
 import json
 import logging
+import math
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from specgate.calibration.modes import Pool
+from specgate.gateway.advisor import AdvisorSettings
 from specgate.gateway.app import make_app, make_runner
 from specgate.gateway.clients import ClientKey, hashed
 from specgate.gateway.config import AuthSettings, GatewaySettings, Retries, Timeouts
@@ -280,6 +282,39 @@ async def test_each_pool_s_throughput_and_the_cost_of_its_tokens(fleet: dict[Poo
         assert rate > 0
         cost = sample_value(text, "specgate_usd_per_million_output_tokens", pool=pool.value)
         assert cost == pytest.approx(price / (rate * 3600) * 1e6, rel=0.05)  # one replica a pool
+
+
+async def test_the_advisor_plans_the_split_on_the_recent_traffic(fleet: dict[Pool, list[SimProcess]]) -> None:
+    token = "admin-token-0123456789"
+    advisor = AdvisorSettings(interval_s=1.0, window_s=600.0, min_requests=6)
+    settings = settings_for(urls(fleet), advisor=advisor, admin_token=token)
+    slo = {"x-slo-ttft-ms": "3000", "x-slo-tpot-ms": "60"}
+    async with running_gateway(settings) as url, client(url) as api, aiohttp.ClientSession() as session:
+        assert math.isnan(await gateway_sample(url, "specgate_recommended_speculative_replicas") or 0.0)
+        for _ in range(6):
+            await api.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=30, extra_body={"ignore_eos": True}, extra_headers=slo
+            )
+        recommended = None
+        for _ in range(150):  # a plan a second, each a child process simulating three splits
+            recommended = await gateway_sample(url, "specgate_recommended_speculative_replicas")
+            if recommended is not None and not math.isnan(recommended):
+                break
+            await asyncio.sleep(0.1)
+        assert recommended in (0.0, 1.0, 2.0)
+        async with session.get(f"{url}/admin/fleet", headers={"authorization": f"Bearer {token}"}) as r:
+            view = (await r.json())["advisor"]
+    assert view["recommended_speculative_replicas"] == recommended
+    assert view["current_speculative_replicas"] == 1
+    assert view["requests"] == 6
+    assert (view["slo_ttft_ms"], view["slo_tpot_ms"]) == (3000, 60)
+    assert set(view["attainment_by_speculative_replicas"]) == {"0", "1", "2"}
+    gain = view["predicted_gain"]
+    assert (
+        gain
+        == view["attainment_by_speculative_replicas"][str(int(recommended))]
+        - (view["attainment_by_speculative_replicas"]["1"])
+    )
 
 
 async def test_a_request_no_replica_could_serve_even_idle_is_refused_at_once(gateway: str) -> None:

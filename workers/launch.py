@@ -26,7 +26,8 @@ _READY = re.compile(r"listening on (http://\S+)")
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a child, before exec: on Linux, be sent SIGTERM when the parent dies."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -46,7 +47,7 @@ def spawn(
 
     def prepare() -> None:
         if not detach:
-            _die_with_parent()
+            die_with_parent()
         if cpus:
             os.sched_setaffinity(0, cpus)
 

@@ -1,0 +1,192 @@
+"""The live advisor: the split of the fleet that the recent traffic wants, planned off the request
+path.
+
+The gateway keeps the requests it answered over the last `window_s` (when each arrived, its prompt
+and output tokens, its SLO targets). Every `interval_s`, with enough of them, it hands them to
+`specgate plan` in a child process (`bench/plan.py`: every split of the fleet's replicas simulated
+with the adaptive policy on this traffic, the profile the policy document names and the traffic's
+commonest SLO pair) and only awaits its answer: the event loop does none of the work. The
+recommendation and its predicted gain over the fleet's current split go to `/metrics`
+(`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and
+`GET /admin/fleet`; a log line says when the recommendation changes. The advisor recommends; moving
+a replica between the pools is the operator's (or a later controller's) move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specgate.calibration.profiles import PROFILES
+from specgate.workers import launch
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdvisorSettings:
+    enabled: bool = True
+    interval_s: float = 300.0
+    """How often it plans (and the longest one plan may take)."""
+    window_s: float = 900.0
+    """How far back the traffic it plans on goes."""
+    min_requests: int = 100
+    """Fewer answered requests in the window than this: no plan (too little to tell splits apart)."""
+    max_requests: int = 2000
+    """The most recent this many of them, at most, are planned on."""
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One answered request, as the plan replays it."""
+
+    at: float
+    prompt_tokens: int
+    output_tokens: int
+    slo_ttft_ms: float | None
+    slo_tpot_ms: float | None
+
+
+class TrafficWindow:
+    """The requests answered over the last `window_s`, at most `max_requests` of them."""
+
+    def __init__(self, window_s: float, max_requests: int) -> None:
+        self.window_s = window_s
+        self._seen: deque[Seen] = deque(maxlen=max_requests)
+
+    def record(self, seen: Seen) -> None:
+        self._seen.append(seen)
+
+    def requests(self, now: float) -> list[Seen]:
+        while self._seen and self._seen[0].at < now - self.window_s:
+            self._seen.popleft()
+        return list(self._seen)
+
+
+def trace_csv(seen: list[Seen]) -> bytes:
+    """The requests as a trace `specgate plan` reads (`timestamp_s,input_tokens,output_tokens`)."""
+    start = seen[0].at if seen else 0.0
+    rows = [f"{s.at - start:.4f},{max(s.prompt_tokens, 1)},{max(s.output_tokens, 1)}" for s in seen]
+    return ("timestamp_s,input_tokens,output_tokens\n" + "\n".join(rows) + "\n").encode()
+
+
+def commonest_slo(seen: list[Seen]) -> tuple[float, float] | None:
+    """The SLO pair most of the requests that carry both targets carry; None when none does."""
+    pairs = Counter((s.slo_ttft_ms, s.slo_tpot_ms) for s in seen)
+    known = [(pair, n) for pair, n in pairs.most_common() if pair[0] is not None and pair[1] is not None]
+    if not known:
+        return None
+    (ttft, tpot), _ = known[0]
+    assert ttft is not None
+    assert tpot is not None
+    return ttft, tpot
+
+
+@dataclass(frozen=True)
+class Advice:
+    recommended: int
+    """Speculative replicas of the recommended split."""
+    current: int
+    """Speculative replicas of the fleet as it is."""
+    gain: float
+    """The recommended split's predicted SLO attainment less the current split's, on this traffic."""
+    requests: int
+    slo: tuple[float, float]
+    profile: str
+    planned_at: float
+    """Wall-clock time (Unix seconds)."""
+    splits: list[dict[str, Any]] = field(default_factory=list)
+
+    def view(self) -> dict[str, object]:
+        """As GET /admin/fleet shows it."""
+        attainment = {str(s["speculative"]): s["slo_attainment"] for s in self.splits}
+        return {
+            "recommended_speculative_replicas": self.recommended, "current_speculative_replicas": self.current,
+            "predicted_gain": self.gain, "requests": self.requests, "slo_ttft_ms": self.slo[0],
+            "slo_tpot_ms": self.slo[1], "profile": self.profile, "planned_at": self.planned_at,
+            "attainment_by_speculative_replicas": attainment,
+        }  # fmt: skip
+
+
+class Advisor:
+    def __init__(
+        self,
+        settings: AdvisorSettings,
+        fleet_split: Callable[[], tuple[int, int]],
+        profile: Callable[[], str],
+        profile_files: dict[str, Path] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.window = TrafficWindow(settings.window_s, settings.max_requests)
+        self.fleet_split = fleet_split
+        """The fleet's speculative and plain replicas now."""
+        self.profile = profile
+        """The profile the policy in force predicts with."""
+        self.profile_files = profile_files or {}
+        """Profiles that are not built in, as files the child can read."""
+        self.advice: Advice | None = None
+
+    async def run(self) -> None:
+        """Until cancelled: a plan every `interval_s`."""
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            try:
+                await self.plan_once()
+            except (OSError, ValueError, KeyError) as exc:
+                _log.warning("advisor: no plan this time: %s", exc)
+
+    async def plan_once(self) -> Advice | None:
+        seen = self.window.requests(time.monotonic())
+        slo = commonest_slo(seen)
+        if len(seen) < self.settings.min_requests or slo is None:
+            return None
+        spec, plain = self.fleet_split()
+        profile = self.profile()
+        if profile in PROFILES:
+            which = ["--profile", profile]
+        elif profile in self.profile_files:
+            which = ["--profile-file", str(self.profile_files[profile])]
+        else:
+            raise KeyError(f"profile {profile!r} has no file to plan with")
+        argv = launch.specgate_argv(
+            "plan", "--trace", "/dev/stdin", "--replicas", str(spec + plain), "--slo-ttft-ms", f"{slo[0]:g}",
+            "--slo-tpot-ms", f"{slo[1]:g}", *which, "--json", "-", "--jobs", "1",
+            "--max-requests", str(self.settings.max_requests),
+        )  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            preexec_fn=launch.die_with_parent,
+        )  # fmt: skip
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(trace_csv(seen)), timeout=self.settings.interval_s)
+        finally:
+            if proc.returncode is None:  # timed out or cancelled: it goes too
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        if proc.returncode != 0:
+            raise ValueError(f"specgate plan exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
+        results = json.loads(out)
+        splits = results["splits"]
+        attainment = {int(s["speculative"]): float(s["slo_attainment"]) for s in splits}
+        recommended = int(results["recommended"])
+        advice = Advice(
+            recommended, spec, attainment[recommended] - attainment.get(spec, float("nan")), len(seen), slo,
+            profile, time.time(), splits,
+        )  # fmt: skip
+        if self.advice is None or self.advice.recommended != recommended:
+            _log.info(
+                "advisor: %d speculative + %d plain recommended for the last %d requests (now %d + %d; "
+                "predicted SLO attainment %+.3f)", recommended, spec + plain - recommended, len(seen), spec, plain,
+                advice.gain,
+            )  # fmt: skip
+        self.advice = advice
+        return advice
