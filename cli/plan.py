@@ -54,15 +54,11 @@ def run(args: argparse.Namespace) -> int:
     from specgate.bench.plan import PlanSettings, plan, plot, table
     from specgate.bench.traces import TraceError
     from specgate.calibration import profile_file
-    from specgate.validation import Invalid
 
     try:
         profile = profile_file.load(args.profile_file).profile if args.profile_file else get_profile(args.profile)
         policy_document(args.policy, profile.name, {**PROFILES, profile.name: profile})
-    except Invalid as exc:
-        print(f"specgate plan: {exc}", file=sys.stderr)
-        return 2
-    except (KeyError, ValueError) as exc:
+    except (KeyError, ValueError) as exc:  # an unknown profile or policy, a profile file that is not one
         print(f"specgate plan: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     settings = PlanSettings(
