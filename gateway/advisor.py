@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
+import shutil
+import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specgate.calibration.profiles import PROFILES
+from specgate.calibration import profile_file
+from specgate.calibration.profiles import PROFILES, Profile
 from specgate.workers import launch
 
 _log = logging.getLogger(__name__)
@@ -90,6 +94,15 @@ def commonest_slo(seen: list[Seen]) -> tuple[float, float] | None:
     return ttft, tpot
 
 
+def _written(profiles: Mapping[str, Profile]) -> dict[str, Path]:
+    files = {}
+    for name, profile in profiles.items():
+        if name not in PROFILES:
+            path = files[name] = Path(tempfile.mkdtemp(prefix="specgate-advisor-")) / "profile.json"
+            path.write_bytes(profile_file.dumps(profile, "the gateway's profiles", datetime.date.today()))
+    return files
+
+
 @dataclass(frozen=True)
 class Advice:
     recommended: int
@@ -122,7 +135,7 @@ class Advisor:
         settings: AdvisorSettings,
         fleet_split: Callable[[], tuple[int, int]],
         profile: Callable[[], str],
-        profile_files: dict[str, Path] | None = None,
+        profiles: Mapping[str, Profile] = PROFILES,
     ) -> None:
         self.settings = settings
         self.window = TrafficWindow(settings.window_s, settings.max_requests)
@@ -130,9 +143,14 @@ class Advisor:
         """The fleet's speculative and plain replicas now."""
         self.profile = profile
         """The profile the policy in force predicts with."""
-        self.profile_files = profile_files or {}
-        """Profiles that are not built in, as files the child can read."""
+        self.profile_files = _written(profiles) if settings.enabled else {}
+        """The profiles that are not built in, as files its plans (child processes) can read:
+        written once, at start-up, before serving."""
         self.advice: Advice | None = None
+
+    def close(self) -> None:
+        for path in self.profile_files.values():
+            shutil.rmtree(path.parent, ignore_errors=True)
 
     async def run(self) -> None:
         """Until cancelled: a plan every `interval_s`."""

@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from functools import partial
-from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from specgate.calibration import profile_file
 from specgate.calibration.modes import Pool
-from specgate.calibration.profiles import PROFILES, Profile
 from specgate.gateway.admin import add_admin_routes
 from specgate.gateway.admission import AdmissionControl
 from specgate.gateway.advisor import Advisor
@@ -69,8 +63,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     )
     admission = AdmissionControl(fleet, metrics)
     clients = Clients(settings.auth.keys) if settings.auth.enabled else None
-    files = _profile_files(settings.profiles) if settings.advisor.enabled else {}
-    advisor = Advisor(settings.advisor, partial(_split, fleet), lambda: control.plan.profile, files)
+    advisor = Advisor(settings.advisor, partial(_split, fleet), lambda: control.plan.profile, settings.profiles)
     relay = Relay(settings, fleet, session, metrics, control, admission, clients, advisor.window)
     metrics.advise(advisor)
     app[SESSION], app[FLEET], app[METRICS], app[RELAY], app[POLICY] = session, fleet, metrics, relay, control
@@ -102,26 +95,13 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             await store.close()
         await session.close()
         await probes.close()
-        for path in files.values():
-            shutil.rmtree(path.parent, ignore_errors=True)
+        advisor.close()
 
 
 def _split(fleet: Fleet) -> tuple[int, int]:
     """The fleet's speculative and plain replicas."""
     pools = [r.pool for r in fleet.replicas.values()]
     return pools.count(Pool.SPECULATIVE), pools.count(Pool.PLAIN)
-
-
-def _profile_files(profiles: Mapping[str, Profile]) -> dict[str, Path]:
-    """The profiles that are not built in, each written to a file of its own for the advisor's
-    plans (child processes) to read; at start-up, before serving."""
-    files = {}
-    for name, profile in profiles.items():
-        if name not in PROFILES:
-            folder = Path(tempfile.mkdtemp(prefix="specgate-advisor-"))
-            files[name] = folder / "profile.json"
-            files[name].write_bytes(profile_file.dumps(profile, "the gateway's profiles", datetime.date.today()))
-    return files
 
 
 async def follow_keys(clients: Clients, settings: GatewaySettings, store: PolicyStore) -> None:

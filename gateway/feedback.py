@@ -3,10 +3,9 @@
 After every request: the request counter by pool, reason and status (the gateway's own refusals
 and errors included), the access log line when it is on, and, from a successful answer, the
 tokens it generated (the pool's throughput, which prices its tokens, and the recent traffic the
-live advisor plans on), the output length for its
-group, the replica's observed TTFT and TPOT and the re-fit of its pool's step costs, on a
-speculative replica the speedup of the request's group over the pool's mean acceptance, the
-latency histograms, the prediction error and the SLO outcome.
+live advisor plans on), the output length for its group, the replica's observed TTFT and TPOT and
+the re-fit of its pool's step costs, on a speculative replica the speedup of the request's group
+over the pool's mean acceptance, the latency histograms, the prediction error and the SLO outcome.
 """
 
 from __future__ import annotations

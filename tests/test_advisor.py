@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from specgate.bench.traces import read_trace
-from specgate.gateway.advisor import Seen, TrafficWindow, commonest_slo, trace_csv
+from specgate.calibration import profile_file
+from specgate.calibration.profiles import A100_CODELLAMA_34B, PROFILES
+from specgate.gateway.advisor import Advisor, AdvisorSettings, Seen, TrafficWindow, commonest_slo, trace_csv
 
 
 def seen(at: float, ttft: float | None = 2000.0, tpot: float | None = 50.0) -> Seen:
@@ -36,3 +39,14 @@ def test_the_plan_takes_the_commonest_slo_pair() -> None:
     assert commonest_slo([seen(0, None, None), seen(1, 2000.0, None)]) is None  # no request with both
     mixed = [seen(0, 800.0, 40.0), seen(1), seen(2), seen(3, None, None), seen(4, None, None), seen(5, None, None)]
     assert commonest_slo(mixed) == (2000.0, 50.0)
+
+
+def test_a_profile_that_is_not_built_in_is_a_file_for_the_plans_while_the_gateway_runs() -> None:
+    mine = dataclasses.replace(A100_CODELLAMA_34B, name="mine")
+    advisor = Advisor(AdvisorSettings(), lambda: (1, 1), lambda: "mine", {**PROFILES, "mine": mine})
+    assert set(advisor.profile_files) == {"mine"}  # the built-in ones the plan knows by name
+    path = advisor.profile_files["mine"]
+    assert profile_file.load(path).profile == mine
+    advisor.close()
+    assert not path.parent.exists()
+    assert Advisor(AdvisorSettings(enabled=False), lambda: (1, 1), lambda: "mine", {"mine": mine}).profile_files == {}
