@@ -136,7 +136,8 @@ async def test_calibrating_simulated_servers_predicts_what_they_do(tmp_path: Pat
             for context in (100, 1000):
                 want, got = measured.step_ms(pool, batch, context), fitted.step_ms(pool, batch, context)
                 assert got == pytest.approx(want, rel=0.1), (pool, batch, context)
-        for prompt in (256, 2048):
+        for prompt in (256, 1024):  # within what the quick sweep measures (32 to 1,024 tokens): at twice
+            # its longest prompt the fit extrapolates, and on two busy cores came out 10.4% long once
             want, got = measured.step_ms(pool, 0, 0, prompt), fitted.step_ms(pool, 0, 0, prompt)
             assert got == pytest.approx(want, rel=0.1), (pool, prompt)
     assert "fit error" in result.report()
