@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from specgate.bench.offline import Fleetspec, Scenario, simulate
 from specgate.bench.traces import TraceRequest, read_trace, scaled
@@ -51,7 +52,7 @@ class PlanSettings:
         return sorted(set(self.splits)) if self.splits else list(range(self.replicas + 1))
 
 
-def run_split(settings: PlanSettings, trace: list[TraceRequest], speculative: int) -> dict[str, object]:
+def run_split(settings: PlanSettings, trace: list[TraceRequest], speculative: int) -> dict[str, Any]:
     """One split of the fleet routing the trace: its figures, as `plan` reports them."""
     fleet = Fleetspec(speculative, settings.replicas - speculative)
     scenario = Scenario(
@@ -62,7 +63,7 @@ def run_split(settings: PlanSettings, trace: list[TraceRequest], speculative: in
     tokens = sum(s.output_tokens for s in result.served)
     good = sum(s.output_tokens for s in result.served if s.meets())
     span = result.span_s or 1e-9
-    row: dict[str, object] = {
+    row: dict[str, Any] = {
         "speculative": speculative, "plain": fleet.plain, "fleet": fleet.label, **summary,
         "tokens_per_s": tokens / span, "good_tokens_per_s": good / span,
     }  # fmt: skip
@@ -73,23 +74,20 @@ def run_split(settings: PlanSettings, trace: list[TraceRequest], speculative: in
     return row
 
 
-def _sort_key(row: dict[str, object]) -> tuple[float, float]:
-    cost = row.get("usd_per_million_good_tokens", 0.0)
+def _sort_key(row: dict[str, Any]) -> tuple[float, float]:
     p99 = row["tpot_p99_ms"]
-    assert isinstance(cost, float | int)
-    assert isinstance(p99, float | int)
-    return (float(cost), float(p99) if not math.isnan(p99) else math.inf)
+    return (row.get("usd_per_million_good_tokens", 0.0), math.inf if math.isnan(p99) else p99)
 
 
-def recommend(rows: Sequence[dict[str, object]]) -> dict[str, object]:
+def recommend(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The split that meets the most SLOs; within `TIE` of it, the cheapest good tokens, then the
     lowest TPOT p99."""
-    best = max(float(str(r["slo_attainment"])) for r in rows)
-    contenders = [r for r in rows if float(str(r["slo_attainment"])) >= best - TIE]
+    best = max(r["slo_attainment"] for r in rows)
+    contenders = [r for r in rows if r["slo_attainment"] >= best - TIE]
     return min(contenders, key=_sort_key)
 
 
-def plan(settings: PlanSettings) -> dict[str, object]:
+def plan(settings: PlanSettings) -> dict[str, Any]:
     counts = settings.speculative_counts()
     if settings.replicas < 1 or any(not 0 <= c <= settings.replicas for c in counts):
         raise ValueError(f"splits of {settings.replicas} replicas need 0 to {settings.replicas} speculative ones")
@@ -123,10 +121,9 @@ def _cell(value: object, digits: int = 0) -> str:
     return str(value)
 
 
-def table(results: dict[str, object]) -> str:
+def table(results: dict[str, Any]) -> str:
     """The splits side by side, the recommended one marked, in Markdown."""
     rows = results["splits"]
-    assert isinstance(rows, list)
     priced = results.get("price_per_hour") is not None
     head = "| split | SLO attainment | goodput req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | tokens/s | spec share |"
     rule = "|---|---|---|---|---|---|---|"
@@ -147,7 +144,7 @@ def table(results: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict[str, object], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path) -> None:
     """SLO attainment (and the cost of good tokens, when priced) against the speculative replicas."""
     import matplotlib
 
@@ -155,14 +152,13 @@ def plot(results: dict[str, object], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = results["splits"]
-    assert isinstance(rows, list)
     xs = [r["speculative"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(xs, [r["slo_attainment"] for r in rows], marker="o", label="SLO attainment")
     ax.set_xlabel(f"speculative replicas (of {results['replicas']})")
     ax.set_ylabel("SLO attainment")
     ax.set_ylim(0, 1.05)
-    ax.axvline(float(str(results["recommended"])), color="grey", linestyle=":", label="recommended")
+    ax.axvline(results["recommended"], color="grey", linestyle=":", label="recommended")
     if results.get("price_per_hour") is not None:
         cost = ax.twinx()
         values = [r["usd_per_million_good_tokens"] for r in rows]

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results))
     else:
         print(table(results))
-        chosen = next(r for r in results["splits"] if r["speculative"] == results["recommended"])  # type: ignore[attr-defined]
+        chosen = next(r for r in results["splits"] if r["speculative"] == results["recommended"])
         print(f"recommended: {chosen['fleet']} (SLO attainment {chosen['slo_attainment']:.3f})")
     if args.json and args.json != "-":
         path = Path(args.json)

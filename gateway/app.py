@@ -64,7 +64,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     admission = AdmissionControl(fleet, metrics)
     clients = Clients(settings.auth.keys) if settings.auth.enabled else None
     advisor = Advisor(settings.advisor, partial(_split, fleet), lambda: control.plan.profile, settings.profiles)
-    relay = Relay(settings, fleet, session, metrics, control, admission, clients, advisor.window)
+    window = advisor.window if settings.advisor.enabled else None  # nothing to record for, off
+    relay = Relay(settings, fleet, session, metrics, control, admission, clients, window)
     metrics.advise(advisor)
     app[SESSION], app[FLEET], app[METRICS], app[RELAY], app[POLICY] = session, fleet, metrics, relay, control
     app[ADVISOR] = advisor

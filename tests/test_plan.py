@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,7 @@ def test_a_tpot_only_speculation_meets_needs_a_speculative_replica(tmp_path: Pat
     # out of a plain replica's reach at any load.
     settings = PlanSettings(light_trace(tmp_path), 2, A100_CODELLAMA_34B, 2000.0, 30.0, price_per_hour=3.49)
     results = plan(settings)
-    rows = {r["speculative"]: r for r in results["splits"]}  # type: ignore[attr-defined]
+    rows = {r["speculative"]: r for r in results["splits"]}
     assert sorted(rows) == [0, 1, 2]
     assert rows[0]["slo_attainment"] < 0.1
     assert rows[1]["slo_attainment"] > 0.9  # the adaptive policy sends them to the speculative one
@@ -44,7 +45,7 @@ def test_a_tpot_only_speculation_meets_needs_a_speculative_replica(tmp_path: Pat
 
 
 def test_the_recommendation_breaks_ties_on_the_cost_of_good_tokens() -> None:
-    rows: list[dict[str, object]] = [
+    rows: list[dict[str, Any]] = [
         {"speculative": 0, "slo_attainment": 0.95, "usd_per_million_good_tokens": 5.0, "tpot_p99_ms": 40.0},
         {"speculative": 1, "slo_attainment": 0.953, "usd_per_million_good_tokens": 4.0, "tpot_p99_ms": 45.0},
         {"speculative": 2, "slo_attainment": 0.90, "usd_per_million_good_tokens": 1.0, "tpot_p99_ms": 20.0},
