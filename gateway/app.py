@@ -59,7 +59,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     metrics = GatewayMetrics(fleet, with_store=settings.store.url is not None, prices=settings.usd_per_replica_hour)
     store = PolicyStore.connect(settings.store.url, settings.store.prefix) if settings.store.url else None
     control = PolicyControl(
-        metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s, settings.profiles
+        metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s, settings.profiles, fleet
     )
     admission = AdmissionControl(fleet, metrics)
     clients = Clients(settings.auth.keys) if settings.auth.enabled else None

@@ -31,6 +31,7 @@ from specgate.gateway.store import PolicyStore, StoredPolicy, VersionConflict
 from specgate.policies.document import DocumentError, PolicyDocument
 from specgate.policies.document import parse as parse_document
 from specgate.policies.registry import RoutingPlan
+from specgate.workers.pools import Fleet
 
 _log = logging.getLogger(__name__)
 
@@ -68,8 +69,11 @@ class PolicyControl:
         cache: Path | None = None,
         refresh_s: float = 1.0,
         profiles: Mapping[str, Profile] = PROFILES,
+        fleet: Fleet | None = None,
     ) -> None:
         self.metrics = metrics
+        self.fleet = fleet
+        """Arranged as each document's `replicas` say, when one is installed."""
         self.profiles = profiles
         """The profiles a document may name: the built-in ones and those loaded from files."""
         self.store = store
@@ -85,6 +89,8 @@ class PolicyControl:
 
     def _install(self, applied: Applied) -> None:
         self.plan = applied.document.compile(str(applied.version), self.profiles)
+        if self.fleet is not None:
+            self.fleet.arrange(applied.document.replica_pools(), applied.document.drained_replicas())
         self.current = applied
         self._held = (applied.version, applied.document.dumps().decode())
         self.metrics.policy_version.set(applied.version)

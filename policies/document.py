@@ -19,6 +19,9 @@ A JSON object (in the config file, the same object as the TOML table [policy]); 
         "speculative": {"weight": 1.0, "drain": false},
         "plain": {"weight": 1.0, "drain": false}
       },
+      "replicas": {                              # by URL, as the gateways' configs list them
+        "http://10.0.0.7:8000": {"pool": "speculative", "drain": false}
+      },
       "admission": {"enabled": true, "max_queue": 1000, "max_wait_factor": 3.0,
                     "max_wait_ms": 30000, "refuse_infeasible": true}
     }
@@ -76,6 +79,22 @@ class PoolControls(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.speculative if pool is Pool.SPECULATIVE else self.plain
 
 
+class ReplicaControl(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One replica, overriding what the gateway's configuration says of it: how `specgate pools
+    switch` moves a server between the pools without restarting a gateway."""
+
+    pool: Pool | None = None
+    """The pool it serves in now (its server restarted with, or without, speculation); None: the
+    one the configuration puts it in."""
+    drain: bool = False
+    """Take no new requests; those in flight finish (a server about to restart)."""
+
+
+ReplicaUrl = Annotated[str, Meta(pattern=r"^https?://[^\s/]+$", max_length=512)]
+"""A replica as the gateways' configurations name it: scheme, host and port, no path."""
+MAX_REPLICAS = 4096
+
+
 class PolicyDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     schema_version: Literal[1] = 1
     policy: str = "adaptive"
@@ -89,6 +108,23 @@ class PolicyDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pools: PoolControls = PoolControls()
     admission: Admission = Admission()
     """How the adaptive policy holds requests no replica can serve in time now."""
+    replicas: Mapping[str, ReplicaControl] = msgspec.field(default_factory=dict)
+    """Per replica URL: the pool it serves in and whether it is drained. A gateway applies the
+    entries of the replicas it routes to and ignores the others (another gateway's fleet)."""
+
+    def replica_pools(self) -> dict[str, Pool]:
+        """The replicas, by URL, that serve in a pool the document names."""
+        return {url: c.pool for url, c in self.replicas.items() if c.pool is not None}
+
+    def drained_replicas(self) -> frozenset[str]:
+        return frozenset(url for url, c in self.replicas.items() if c.drain)
+
+    def with_replica(self, url: str, control: ReplicaControl) -> PolicyDocument:
+        """The same document with `url`'s entry replaced (removed when it says nothing)."""
+        replicas = {**self.replicas, url: control}
+        if control == ReplicaControl():
+            del replicas[url]
+        return msgspec.structs.replace(self, replicas=replicas)
 
     def to_json(self) -> dict[str, Any]:
         result: dict[str, Any] = msgspec.to_builtins(self, order="sorted")
@@ -136,6 +172,7 @@ def parse(obj: Any, *, prefix: str = "", profiles: Mapping[str, Profile] = PROFI
         raise DocumentError("schema_version", f"missing; this gateway reads schema_version {SCHEMA_VERSION}")
     try:
         _check_classes(obj, prefix)
+        _check_replicas(obj, prefix)
         document = convert(obj, PolicyDocument, root=prefix or "(document)", prefix=prefix)
     except Invalid as exc:
         raise DocumentError(exc.field, exc.message) from None
@@ -144,6 +181,18 @@ def parse(obj: Any, *, prefix: str = "", profiles: Mapping[str, Profile] = PROFI
     except Invalid as exc:
         raise DocumentError(f"{prefix}.{exc.field}" if prefix else exc.field, exc.message) from None
     return document
+
+
+def _check_replicas(obj: Any, prefix: str) -> None:
+    """Each replica's entry on its own, so that an error names the replica."""
+    replicas = obj.get("replicas") if isinstance(obj, dict) else None
+    if isinstance(replicas, dict):
+        where = f"{prefix}.replicas" if prefix else "replicas"
+        if len(replicas) > MAX_REPLICAS:
+            raise Invalid(where, f"at most {MAX_REPLICAS} replicas, got {len(replicas)}")
+        for url, control in replicas.items():
+            convert(url, ReplicaUrl, root=f"{where}.{url}")
+            convert(control, ReplicaControl, root=f"{where}.{url}", prefix=f"{where}.{url}")
 
 
 def _check_classes(obj: Any, prefix: str) -> None:

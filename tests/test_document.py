@@ -7,7 +7,7 @@ import pytest
 
 from specgate.calibration.modes import Pool
 from specgate.policies.decision import Decision
-from specgate.policies.document import DocumentError, PolicyDocument, loads, parse
+from specgate.policies.document import DocumentError, PolicyDocument, ReplicaControl, loads, parse
 from specgate.policies.features import RequestFeatures, SloTargets
 from specgate.workers.pools import FleetSettings, Replica
 from specgate.workers.snapshot import ReplicaState, Snapshot
@@ -90,6 +90,12 @@ def test_the_minimal_document_is_the_default() -> None:
         (with_("pools.plain", {"drain": "no"}), "pools.plain.drain"),
         (with_("pools.gpu", {}), "pools.gpu"),
         (with_("pools", {"speculative": {"drain": True}, "plain": {"drain": True}}), "pools"),
+        (with_("replicas", {"10.0.0.1:80": {}}), "replicas.10.0.0.1:80"),
+        (with_("replicas", {"http://a:80/v1": {}}), "replicas.http://a:80/v1"),
+        (with_("replicas", {"http://a:80": {"pool": "gpu"}}), "replicas.http://a:80.pool"),
+        (with_("replicas", {"http://a:80": {"drain": 1}}), "replicas.http://a:80.drain"),
+        (with_("replicas", {"http://a:80": {"weight": 2}}), "replicas.http://a:80.weight"),
+        (with_("replicas", [1]), "replicas"),
         ([1, 2], "(document)"),
     ],
 )
@@ -98,6 +104,20 @@ def test_errors_name_the_field(doc: object, field: str) -> None:
         parse(doc)
     assert exc.value.field == field
     assert str(exc.value).startswith(field)
+
+
+def test_replicas_move_between_pools_and_drain_by_url() -> None:
+    doc = parse({**FULL, "replicas": {"http://a:8000": {"pool": "speculative"}, "https://b:443": {"drain": True}}})
+    assert doc.replica_pools() == {"http://a:8000": Pool.SPECULATIVE}
+    assert doc.drained_replicas() == {"https://b:443"}
+    moved = doc.with_replica("https://b:443", ReplicaControl(pool=Pool.PLAIN))
+    assert moved.replica_pools() == {"http://a:8000": Pool.SPECULATIVE, "https://b:443": Pool.PLAIN}
+    assert not moved.drained_replicas()
+    assert loads(moved.dumps()) == moved  # the document round-trips as any other
+    # An entry that says nothing is dropped: the replica is as the configuration says.
+    assert doc.with_replica("http://a:8000", ReplicaControl()).with_replica("https://b:443", ReplicaControl()) == (
+        parse(FULL)
+    )
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"null", b'"text"', b"[]"])

@@ -139,6 +139,40 @@ async def test_admin_api_changes_the_policy_in_memory(fleet: dict[Pool, tuple[st
         assert await metric(session, url, "specgate_policy_version") == 2.0
 
 
+async def test_the_document_moves_a_replica_to_the_other_pool_and_drains_one(
+    fleet: dict[Pool, tuple[str, ...]],
+) -> None:
+    """What `specgate pools switch` does to every gateway: drain the server, then re-admit it in
+    the other pool once restarted."""
+    spec_url, plain_url = fleet[Pool.SPECULATIVE][0], fleet[Pool.PLAIN][0]
+
+    async def routes(n: int) -> set[tuple[str, str]]:
+        seen = set()
+        for _ in range(n):
+            async with session.post(f"{url}/v1/chat/completions", data=BODY, headers=JSON) as r:
+                assert r.status == 200
+                await r.read()
+                seen.add((r.headers["x-route-pool"], r.headers["x-route-replica"]))
+        return seen
+
+    JSON = {"content-type": "application/json"}
+    async with gateway(settings(fleet, policy=document(policy="speculative-only"))) as (url, session):
+        assert await routes(4) == {("speculative", "spec-0")}
+        moved = document(policy="speculative-only", replicas={plain_url: {"pool": "speculative"}})
+        assert (await put(session, url, moved.dumps(), "0"))[0] == 200
+        await asyncio.sleep(0.2)  # a scrape or two: the moved replica is admitted afresh
+        assert await routes(8) == {("speculative", "spec-0"), ("speculative", "plain-0")}
+        drained = document(
+            policy="speculative-only", replicas={plain_url: {"pool": "speculative"}, spec_url: {"drain": True}}
+        )
+        assert (await put(session, url, drained.dumps(), "1"))[0] == 200
+        assert await routes(4) == {("speculative", "plain-0")}
+        async with session.get(f"{url}/admin/fleet", headers=AUTH) as r:
+            view = {rep["name"]: rep for rep in (await r.json())["replicas"]}
+        assert (view["spec-0"]["drained"], view["spec-0"]["available"]) == (True, False)
+        assert (view["plain-0"]["pool"], view["plain-0"]["drained"]) == ("speculative", False)
+
+
 async def test_a_document_may_name_a_profile_the_gateway_loaded_from_a_file(fleet: dict[Pool, tuple[str, ...]]) -> None:
     mine = dataclasses.replace(H100_LLAMA31_8B, name="my-fleet", title="measured on this fleet")
     profiles = profile_file.with_files([profile_file.ProfileFile(mine, "a test", datetime.date(2026, 12, 1))])

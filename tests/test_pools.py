@@ -220,3 +220,37 @@ def test_a_burst_of_prompts_shows_in_the_rate_at_once_and_a_steady_stream_as_it_
     assert tokens == pytest.approx(prompts * 1000)
     quiet, _ = burst.prompt_rates(131.0)  # half a minute later, the burst has all but faded
     assert quiet < 0.2
+
+
+def test_the_document_moves_a_replica_to_the_other_pool_and_drains_one() -> None:
+    fleet = Fleet({Pool.SPECULATIVE: ["http://a"], Pool.PLAIN: ["http://b", "http://c"]}, SETTINGS)
+    a, b, c = fleet.replicas["spec-0"], fleet.replicas["plain-0"], fleet.replicas["plain-1"]
+    b.scraped(load(), 0.0, 0)
+    for _ in range(3):
+        b.failed("5xx", now=0.0)  # a record of failures, then a restart with speculation
+    assert b.health.state is State.EJECTED
+    fleet.arrange({"http://b": Pool.SPECULATIVE}, drained={"http://c"})
+    assert (b.pool, b.fit) == (Pool.SPECULATIVE, fleet.fits[Pool.SPECULATIVE])
+    assert b.health.state is State.UNKNOWN  # the restarted server's record starts afresh
+    for r in (a, b, c):
+        r.scraped(load(spec=SpecCounters(0, 0, 0, ())), 1.0, 0)
+    b.scraped(load(spec=SpecCounters(100, 300, 200, ())), 2.0, 0)
+    a.scraped(load(spec=SpecCounters(100, 300, 200, ())), 2.0, 0)
+    snapshot = {r.name: r for r in fleet.snapshot(2.0).replicas}
+    assert snapshot["plain-0"].pool is Pool.SPECULATIVE
+    assert snapshot["plain-0"].tokens_per_step == snapshot["spec-0"].tokens_per_step == pytest.approx(3.0)
+    assert snapshot["plain-0"].healthy
+    assert not snapshot["plain-1"].healthy
+    assert c.in_flight == 0
+    for _ in range(5):
+        c.scrape_failed("refused", now=3.0)  # down for its restart: not held against it
+    assert c.health.state is State.UP
+    fleet.arrange({}, drained=())  # back as configured
+    assert b.pool is Pool.PLAIN
+    assert b.tokens_per_step is None
+    assert not c.drained
+    assert not c.healthy
+    c.scraped(load(), 4.0, 0)
+    assert c.healthy
+    fleet.arrange({"http://elsewhere": Pool.PLAIN}, drained={"http://elsewhere"})  # another gateway's replica
+    assert [r.pool for r in fleet.replicas.values()] == [Pool.SPECULATIVE, Pool.PLAIN, Pool.PLAIN]

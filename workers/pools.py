@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -129,11 +129,12 @@ class Replica:
         self.name = name
         self.url = url.rstrip("/")
         self.pool = pool
+        self.home_pool = pool
+        """The pool the configuration puts it in; the policy document may move it (`move`)."""
+        self.drained = False
+        """Takes no new requests (the policy document's): its server may be restarting."""
         self.settings = settings
-        self.health = Health(
-            name, settings.eject_after, settings.base_ejection_s, settings.max_ejection_s,
-            failure_window=settings.failure_window, eject_failure_share=settings.eject_failure_share,
-        )  # fmt: skip
+        self.health = self._new_health()
         self.waiting: set[Callable[[], None]] = set()
         """Callbacks of the attempts still waiting for their first byte here, called if it is
         ejected: they give up on it and go elsewhere."""
@@ -169,6 +170,31 @@ class Replica:
         self.received_at = 0.0
         """When a byte of an answer last arrived from it (a replica still sending is not hung,
         whatever its counters say: what it sends may have been generated a while ago)."""
+
+    def _new_health(self) -> Health:
+        s = self.settings
+        return Health(
+            self.name, s.eject_after, s.base_ejection_s, s.max_ejection_s,
+            failure_window=s.failure_window, eject_failure_share=s.eject_failure_share,
+        )  # fmt: skip
+
+    def move(self, pool: Pool, fit: LatencyFit) -> None:
+        """Serve in `pool` from now on: its server was restarted with (or without) speculation.
+        What was learned of the old server goes (its acceptance, latencies, load, health record);
+        its requests still in flight finish and are counted as before."""
+        self.pool, self.fit = pool, fit
+        self.load, self.scraped_at, self._last_spec = None, None, None
+        self.tokens_per_step, self.recent_steps, self.recent_accepted = None, 0.0, 0.0
+        self.observed_ttft_s = self.observed_tpot_s = None
+        self.health = self._new_health()
+
+    def drain(self, drained: bool) -> None:
+        """Take no new requests, or take them again. Back from a drain it starts a fresh health
+        record, admitted at its next good scrape: the server may have been restarted meanwhile,
+        and failures while drained (a server down for the restart) are not held against it."""
+        if self.drained and not drained:
+            self.health = self._new_health()
+        self.drained = drained
 
     # --- the gateway's own accounting ---------------------------------------------------------
 
@@ -270,6 +296,8 @@ class Replica:
             give_up()
 
     def scrape_failed(self, reason: str, now: float | None = None) -> None:
+        if self.drained:
+            return  # a drained server may be down on purpose
         if self.health.scrape_failed(time.monotonic() if now is None else now, reason):
             self._ejected()
 
@@ -317,7 +345,7 @@ class Replica:
             name=self.name,
             url=self.url,
             pool=self.pool,
-            healthy=self.available(now),
+            healthy=self.available(now) and not self.drained,
             in_flight=self.in_flight,
             prefilling=self.prefilling,
             prefill_tokens=self.prefill_tokens,
@@ -363,7 +391,7 @@ class Fleet:
     def __init__(self, pools: dict[Pool, list[str]], settings: FleetSettings) -> None:
         self.settings = settings
         self.replicas: dict[str, Replica] = {}
-        self.fits = {pool: settings.latency_fit() for pool in pools}
+        self.fits = {pool: settings.latency_fit() for pool in Pool}
         """Each pool's step costs, re-fitted from the answers of all its replicas (and a prior
         centered on what the other pool's show)."""
         for pool, fit in self.fits.items():
@@ -373,6 +401,19 @@ class Fleet:
             for i, url in enumerate(urls):
                 name = f"{prefix[pool]}-{i}"
                 self.replicas[name] = Replica(name, url, pool, settings, self.fits[pool])
+
+    def arrange(self, pools: Mapping[str, Pool], drained: Collection[str]) -> None:
+        """Replicas, by URL, in a pool other than the configured one, and those that take no new
+        requests (the policy document's `replicas`); URLs this fleet does not have are ignored."""
+        for replica in self.replicas.values():
+            pool = pools.get(replica.url, replica.home_pool)
+            if pool is not replica.pool:
+                _log.info("replica %s (%s) now serves in the %s pool", replica.name, replica.url, pool.value)
+                replica.move(pool, self.fits[pool])
+            drain = replica.url in drained
+            if drain != replica.drained:
+                _log.info("replica %s %s", replica.name, "drained" if drain else "takes requests again")
+                replica.drain(drain)
 
     def snapshot(self, now: float, profile: str | None = None) -> Snapshot:
         """Every replica's state; step costs (the fits are the pool's) and acceptance are pooled
