@@ -1,27 +1,38 @@
 """`specgate pools`: start and stop the real vLLM servers a config's [launch] section describes.
 
-    specgate pools up   --config specgate.toml [--detach]
-    specgate pools down --config specgate.toml
+    specgate pools up     --config specgate.toml [--detach]
+    specgate pools down   --config specgate.toml
+    specgate pools switch SERVER --to speculative|plain --config specgate.toml [--redis URL]
 
 `up` starts every server, each with its log in [launch] log_dir, waits until all answer /health,
 and prints the gateway config that routes to them. It then stays in the foreground until Ctrl-C
 or SIGTERM, and stops them all; with `--detach` it leaves them running and records them, and
 `down` stops them. A server that fails to start stops the others: no orphans either way.
+`switch` restarts one server of a detached `up` in the other mode, drained and re-admitted in
+every gateway through the policy store, with no request lost (`gateway/switching.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from specgate.cli.arguments import Subcommands, common_options
-from specgate.gateway.config import ConfigError, read_toml
+from specgate.calibration.modes import Pool
+from specgate.cli.arguments import Subcommands, common_options, positive_float
+from specgate.gateway import switching
+from specgate.gateway.config import ConfigError, load_settings, read_toml
+from specgate.gateway.policy_sync import STORE_ERRORS
+from specgate.gateway.store import PolicyStore
+from specgate.gateway.switching import Switcher, SwitchError, SwitchSettings
 from specgate.workers import launch
 from specgate.workers.vllm_launch import (
     LaunchConfigError,
@@ -49,6 +60,24 @@ def add_command(sub: Subcommands) -> None:
     )
     down.add_argument("--config", type=Path, required=True)
     down.set_defaults(func=_down)
+    switch = commands.add_parser(
+        "switch", parents=[common_options()],
+        help="restart one server with speculation or without, moving it to the other pool in every gateway",
+        description=switching.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    switch.add_argument("server", help="the server's name (spec-0, plain-1) or URL")
+    switch.add_argument("--to", required=True, type=Pool, choices=list(Pool), help="the pool it serves in after")
+    switch.add_argument("--config", type=Path, required=True, help="the config `pools up --detach` started it from")
+    switch.add_argument("--redis", help="the policy store every gateway follows (default: the config's [store] url)")
+    switch.add_argument("--redis-prefix", help="its key prefix (default: the config's)")
+    switch.add_argument(
+        "--speculative-config", type=_json_object, metavar="JSON",
+        help="what to speculate with (default: the server's own, else the first speculative server's)",
+    )  # fmt: skip
+    switch.add_argument("--settle-s", type=positive_float, default=SwitchSettings.settle_s,
+                        help="after the drain, for every gateway to read it (twice their [store] refresh)")  # fmt: skip
+    switch.add_argument("--drain-timeout-s", type=positive_float, default=SwitchSettings.drain_timeout_s)
+    switch.set_defaults(func=_switch)
 
 
 def load_plan(path: Path) -> LaunchPlan | None:
@@ -115,3 +144,49 @@ def _down(args: argparse.Namespace) -> int:
     stopped = stop_recorded(plan.log_dir)
     print(f"specgate pools: stopped {', '.join(stopped) if stopped else 'nothing (none recorded running)'}")
     return 0
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _switch(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"specgate pools: {exc}", file=sys.stderr)
+        return 2
+    url = args.redis or settings.store.url
+    if settings.launch is None or url is None:
+        missing = "a [launch] section" if settings.launch is None else "a policy store (--redis or [store] url)"
+        print(f"specgate pools switch: needs {missing}: the gateways learn of the switch from it", file=sys.stderr)
+        return 2
+    store = PolicyStore.connect(url, args.redis_prefix or settings.store.prefix)
+    say = partial(print, file=sys.stderr, flush=True)
+    switcher = Switcher(settings.launch, store, settings.policy, settings.profiles,
+                        SwitchSettings(settle_s=args.settle_s, drain_timeout_s=args.drain_timeout_s), say)  # fmt: skip
+
+    async def run() -> int:
+        try:
+            done = await switcher.switch(args.server, args.to, args.speculative_config)
+        except SwitchError as exc:
+            print(f"specgate pools switch: {exc}", file=sys.stderr)
+            return 1
+        except STORE_ERRORS as exc:
+            print(f"specgate pools switch: the policy store cannot be reached: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            await store.close()
+        if done is None:
+            print(f"{args.server} serves in the {args.to.value} pool already")
+        else:
+            print(json.dumps(dataclasses.asdict(done) | {"to": done.to.value}))
+        return 0
+
+    return asyncio.run(run())

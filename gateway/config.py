@@ -45,7 +45,7 @@ from specgate.policies.document import DocumentError, PolicyDocument
 from specgate.policies.document import parse as parse_document
 from specgate.validation import Invalid, Milliseconds, NonEmpty, Port, PositiveInt, convert
 from specgate.workers.pools import FleetSettings
-from specgate.workers.vllm_launch import parse_launch
+from specgate.workers.vllm_launch import LaunchPlan, parse_launch
 
 MIN_ADMIN_TOKEN = 16
 
@@ -130,6 +130,8 @@ class GatewaySettings:
     """The live advisor ([advisor]): the split the recent traffic wants, planned in the background."""
     profiles: Mapping[str, Profile] = field(default_factory=lambda: PROFILES)
     """The profiles a policy document may name: the built-in ones and those loaded from files."""
+    launch: LaunchPlan | None = None
+    """The vLLM servers the config's [launch] section starts (`specgate pools`)."""
 
 
 # --- the file, section by section ----------------------------------------------------------------
@@ -352,6 +354,7 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
         ),
         policy=policy_document(file.policy, profiles),
         profiles=profiles,
+        launch=launched,
         store=StoreSettings(
             url=store_url("store.url", store.url) if store.url is not None else None,
             prefix=store.prefix,

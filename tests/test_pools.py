@@ -231,7 +231,8 @@ def test_the_document_moves_a_replica_to_the_other_pool_and_drains_one() -> None
     assert b.health.state is State.EJECTED
     fleet.arrange({"http://b": Pool.SPECULATIVE}, drained={"http://c"})
     assert (b.pool, b.fit) == (Pool.SPECULATIVE, fleet.fits[Pool.SPECULATIVE])
-    assert b.health.state is State.UNKNOWN  # the restarted server's record starts afresh
+    fresh = b.health
+    assert fresh.state is State.UNKNOWN  # the restarted server's record starts afresh
     for r in (a, b, c):
         r.scraped(load(spec=SpecCounters(0, 0, 0, ())), 1.0, 0)
     b.scraped(load(spec=SpecCounters(100, 300, 200, ())), 2.0, 0)

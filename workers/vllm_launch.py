@@ -36,8 +36,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -275,9 +275,99 @@ def start(plan: LaunchPlan, *, detach: bool = False) -> list[Running]:
         proc = launch.spawn(spec.argv(), log, env=env, detach=detach, cpus=spec.cpus)
         running.append(Running(spec, proc, log))
     if detach:
-        record = [{"name": r.spec.name, "pid": r.proc.pid, "url": r.spec.url, "log": str(r.log)} for r in running]
-        (plan.log_dir / STATE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        write_records(plan.log_dir, [Record.of(r) for r in running])
     return running
+
+
+@dataclass(frozen=True)
+class Record:
+    """A server a detached `pools up` (or a later `pools switch`) left running."""
+
+    name: str
+    pid: int
+    url: str
+    log: str
+    pool: Pool
+    """The mode it runs in now, which `pools switch` may have changed from its configured pool."""
+
+    @classmethod
+    def of(cls, server: Running) -> Record:
+        pool = Pool.SPECULATIVE if server.spec.speculative_config is not None else Pool.PLAIN
+        return cls(server.spec.name, server.proc.pid, server.spec.url, str(server.log), pool)
+
+
+def records(log_dir: Path) -> list[Record]:
+    """The servers recorded running in `log_dir` (some may have died since: see `alive`)."""
+    state = log_dir / STATE_FILE
+    if not state.exists():
+        return []
+    entries = json.loads(state.read_text())
+    # (Records of earlier versions have no pool: the one the name says.)
+    configured = {True: Pool.SPECULATIVE, False: Pool.PLAIN}
+    return [
+        Record(
+            e["name"],
+            int(e["pid"]),
+            e["url"],
+            e["log"],
+            Pool(e.get("pool") or configured[e["name"].startswith("spec-")]),
+        )
+        for e in entries
+    ]
+
+
+def write_records(log_dir: Path, entries: Sequence[Record]) -> None:
+    state = log_dir / STATE_FILE
+    tmp = state.with_suffix(".tmp")
+    tmp.write_text(json.dumps([asdict(e) for e in entries], indent=2) + "\n")
+    tmp.replace(state)  # whole, never half written
+
+
+def in_mode(spec: ServerSpec, pool: Pool, speculative_config: Mapping[str, Any] | None) -> ServerSpec:
+    """The server as it runs in `pool`: with `speculative_config` in the speculative one, without
+    any in the plain one."""
+    if pool is Pool.PLAIN:
+        return replace(spec, speculative_config=None)
+    if speculative_config is None:
+        raise LaunchConfigError(f"launch.{spec.pool.value}[{spec.index}]", "speculating needs a speculative_config")
+    return replace(spec, speculative_config=check_speculative_config("speculative_config", speculative_config))
+
+
+def ours(pid: int) -> bool:
+    """Whether `pid` is still a vLLM server (and not a reused pid of something else)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return alive(pid) and b"vllm.entrypoints" in cmdline
+
+
+async def stop_group(pid: int, grace_s: float = 30.0) -> None:
+    """Stop a recorded server and every process of its group: SIGTERM, then SIGKILL after `grace_s`."""
+    launch.signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    await _until(lambda: not alive(pid), deadline)
+    launch.signal_group(pid, signal.SIGKILL)  # the engine core may outlive the API server
+    await _until(lambda: not launch.group_alive(pid), deadline + 5)
+
+
+async def _until(done: Callable[[], bool], deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if done():
+            return
+        await asyncio.sleep(0.1)
+
+
+def restart(plan: LaunchPlan, spec: ServerSpec, record: Record) -> Running:
+    """Start `spec` (a recorded server in its new mode) detached, as `record`'s successor in the
+    record; the old log is kept beside the new one."""
+    log = plan.log_dir / f"{spec.name}.log"
+    if log.exists():
+        log.replace(log.with_suffix(".log.1"))
+    env = {"HF_HUB_OFFLINE": "1", **spec.env}
+    server = Running(spec, launch.spawn(spec.argv(), log, env=env, detach=True, cpus=spec.cpus), log)
+    write_records(plan.log_dir, [Record.of(server) if r.name == record.name else r for r in records(plan.log_dir)])
+    return server
 
 
 async def wait_healthy(server: Running, timeout_s: float, session: aiohttp.ClientSession) -> None:
@@ -316,16 +406,11 @@ def stop_recorded(log_dir: Path, grace_s: float = 30.0) -> list[str]:
     if not state.exists():
         return []
     stopped = []
-    for entry in json.loads(state.read_text()):
-        pid = int(entry["pid"])
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue  # gone already
-        if not alive(pid) or b"vllm.entrypoints" not in cmdline:
-            continue  # the pid was reused by something else: not ours to kill
-        launch.signal_group(pid, signal.SIGTERM)
-        stopped.append((entry["name"], pid))
+    for entry in records(log_dir):
+        if not ours(entry.pid):
+            continue  # gone already, or the pid was reused by something else: not ours to kill
+        launch.signal_group(entry.pid, signal.SIGTERM)
+        stopped.append((entry.name, entry.pid))
     deadline = time.monotonic() + grace_s
     for _, pid in stopped:
         while alive(pid) and time.monotonic() < deadline:
