@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -82,52 +83,61 @@ async def switch(config_path: Path, server: str, to: str) -> dict[str, object]:
     return result
 
 
-@pytest.mark.timeout(900)
-async def test_a_server_switches_mode_under_traffic_without_a_failed_request(tmp_path: Path) -> None:
+@pytest.fixture
+def detached(tmp_path: Path) -> Iterator[Path]:
+    """Both servers started by a detached `pools up`, a Redis for the policy, the config; after
+    the test, `pools down` stops whatever process each server is then, and nothing is left."""
     redis = RedisServer(free_port(), tmp_path)
     redis.start()
     path = config(tmp_path, redis.url)
     cli = launch.specgate_argv("pools")
-    up = subprocess.run([*cli, "up", "--config", str(path), "--detach"], capture_output=True, text=True, timeout=900)
-    assert up.returncode == 0, up.stderr
     try:
-        settings = dataclasses.replace(load_settings(path), port=0, admin_token=TOKEN)
-        assert settings.launch is not None
-        plain = next(s for s in settings.launch.servers if s.name == "plain-0")
-        async with running_app(make_app(settings)) as url, aiohttp.ClientSession() as session:
-            stop = asyncio.Event()
-            seen: Counter[tuple[int, str, str]] = Counter()
-            drafts = "vllm:spec_decode_num_drafts_total"
-            async with session.get(f"{plain.url}/metrics") as r:
-                assert sample_value(await r.text(), drafts) is None  # a plain server has no drafts to count
-            clients = [asyncio.create_task(traffic(url, stop, seen)) for _ in range(3)]
-            await asyncio.sleep(2)
-            to_spec = await switch(path, "plain-0", "speculative")
-            assert to_spec["to"] == "speculative"
-            for _ in range(100):  # re-admitted at the gateway's next scrapes
-                if seen[(200, "speculative", "plain-0")] >= 3:
-                    break
-                await asyncio.sleep(0.2)
-            async with session.get(f"{url}/admin/fleet", headers={"authorization": f"Bearer {TOKEN}"}) as r:
-                fleet = {rep["name"]: rep for rep in (await r.json())["replicas"]}
-            assert fleet["plain-0"]["pool"] == "speculative"
-            assert fleet["plain-0"]["available"]
-            async with session.get(f"{plain.url}/metrics") as r:
-                assert sample_value(await r.text(), drafts) is not None  # the server itself speculates now
-            served_switched = seen[(200, "speculative", "plain-0")]
-            await switch(path, "plain-0", "plain")
-            await asyncio.sleep(2)
-            stop.set()
-            await asyncio.gather(*clients)
-        failed = {k: n for k, n in seen.items() if k[0] != 200}
-        assert not failed, failed
-        assert served_switched > 0  # it served in the speculative pool between the switches
-        assert seen[(200, "plain", "plain-0")] > 0
-        assert sum(seen.values()) > 30
-        assert [r.pool.value for r in records(settings.launch.log_dir)] == ["speculative", "plain"]
+        argv = [*cli, "up", "--config", str(path), "--detach"]
+        up = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        assert up.returncode == 0, up.stderr
+        yield path
     finally:
         pids = [r.pid for r in records(tmp_path / "logs")]
         down = subprocess.run([*cli, "down", "--config", str(path)], capture_output=True, text=True, timeout=120)
         redis.stop()
     assert down.returncode == 0, down.stderr
     assert not any(alive(pid) or launch.group_alive(pid) for pid in pids)
+
+
+@pytest.mark.timeout(900)
+async def test_a_server_switches_mode_under_traffic_without_a_failed_request(detached: Path) -> None:
+    path = detached
+    settings = dataclasses.replace(load_settings(path), port=0, admin_token=TOKEN)
+    assert settings.launch is not None
+    plain = next(s for s in settings.launch.servers if s.name == "plain-0")
+    async with running_app(make_app(settings)) as url, aiohttp.ClientSession() as session:
+        drafts = "vllm:spec_decode_num_drafts_total"
+        async with session.get(f"{plain.url}/metrics") as r:
+            assert sample_value(await r.text(), drafts) is None  # a plain server has no drafts to count
+        stop = asyncio.Event()
+        seen: Counter[tuple[int, str, str]] = Counter()
+        clients = [asyncio.create_task(traffic(url, stop, seen)) for _ in range(3)]
+        await asyncio.sleep(2)
+        to_spec = await switch(path, "plain-0", "speculative")
+        assert to_spec["to"] == "speculative"
+        for _ in range(100):  # re-admitted at the gateway's next scrapes
+            if seen[(200, "speculative", "plain-0")] >= 3:
+                break
+            await asyncio.sleep(0.2)
+        async with session.get(f"{url}/admin/fleet", headers={"authorization": f"Bearer {TOKEN}"}) as r:
+            fleet = {rep["name"]: rep for rep in (await r.json())["replicas"]}
+        assert fleet["plain-0"]["pool"] == "speculative"
+        assert fleet["plain-0"]["available"]
+        async with session.get(f"{plain.url}/metrics") as r:
+            assert sample_value(await r.text(), drafts) is not None  # the server itself speculates now
+        served_switched = seen[(200, "speculative", "plain-0")]
+        await switch(path, "plain-0", "plain")
+        await asyncio.sleep(2)
+        stop.set()
+        await asyncio.gather(*clients)
+    failed = {k: n for k, n in seen.items() if k[0] != 200}
+    assert not failed, failed
+    assert served_switched > 0  # it served in the speculative pool between the switches
+    assert seen[(200, "plain", "plain-0")] > 0
+    assert sum(seen.values()) > 30
+    assert [r.pool.value for r in records(settings.launch.log_dir)] == ["speculative", "plain"]
