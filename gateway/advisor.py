@@ -8,8 +8,14 @@ with the adaptive policy on this traffic, the profile the policy document names 
 commonest SLO pair) and only awaits its answer: the event loop does none of the work. The
 recommendation and its predicted gain over the fleet's current split go to `/metrics`
 (`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and
-`GET /admin/fleet`; a log line says when the recommendation changes. The advisor recommends; moving
-a replica between the pools is the operator's (or a later controller's) move.
+`GET /admin/fleet`; a log line says when the recommendation changes.
+
+It recommends; it moves a server only when the policy document's `switching` enables it and the
+gateway can restart servers (a [launch] section and a policy store): then, when `confirmations`
+plans in a row want the same direction, each predicting at least `min_gain` more SLO attainment
+for the split one server nearer the recommendation, and no move was made in the last
+`cooldown_ms`, it switches one server (`gateway/switching.py`), never leaving a pool with fewer
+than `min_per_pool`. The `Governor` holds that hysteresis; the offline simulator runs the same one.
 """
 
 from __future__ import annotations
@@ -19,17 +25,19 @@ import contextlib
 import datetime
 import json
 import logging
+import math
 import shutil
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specgate.calibration import profile_file
 from specgate.calibration.profiles import PROFILES, Profile
+from specgate.policies.document import Switching
 from specgate.workers import launch
 
 _log = logging.getLogger(__name__)
@@ -129,6 +137,47 @@ class Advice:
         }  # fmt: skip
 
 
+@dataclass
+class Governor:
+    """When a plan moves a server: hysteresis over the advisor's successive plans."""
+
+    streak: int = 0
+    """Plans in a row that wanted a move in `direction`."""
+    direction: int = 0
+    moved_at: float = -math.inf
+
+    def move(
+        self,
+        rules: Switching,
+        attainment: Mapping[int, float],
+        recommended: int,
+        current: int,
+        replicas: int,
+        now: float,
+    ) -> int:
+        """+1: a plain server should speculate now; -1: a speculative one should stop; 0: stay.
+        `attainment` is the planned splits', by their speculative servers (the one a step nearer
+        the recommendation among them); `now` in seconds."""
+        step = (recommended > current) - (recommended < current)
+        nearer = current + step
+        if not rules.min_per_pool <= nearer <= replicas - rules.min_per_pool:
+            step = 0
+        gain = attainment.get(nearer, math.nan) - attainment.get(current, math.nan)
+        if step == 0 or not gain >= rules.min_gain:
+            self.streak, self.direction = 0, 0
+            return 0
+        self.streak = self.streak + 1 if step == self.direction else 1
+        self.direction = step
+        if self.streak < rules.confirmations or now - self.moved_at < rules.cooldown_ms / 1e3:
+            return 0
+        self.streak, self.moved_at = 0, now
+        return step
+
+
+Mover = Callable[[int], Awaitable[None]]
+"""Switches one server: +1 a plain one to the speculative pool, -1 the other way."""
+
+
 class Advisor:
     def __init__(
         self,
@@ -136,6 +185,8 @@ class Advisor:
         fleet_split: Callable[[], tuple[int, int]],
         profile: Callable[[], str],
         profiles: Mapping[str, Profile] = PROFILES,
+        rules: Callable[[], Switching] = Switching,
+        mover: Mover | None = None,
     ) -> None:
         self.settings = settings
         self.window = TrafficWindow(settings.window_s, settings.max_requests)
@@ -147,6 +198,11 @@ class Advisor:
         """The profiles that are not built in, as files its plans (child processes) can read:
         written once, at start-up, before serving."""
         self.advice: Advice | None = None
+        self.rules = rules
+        """The policy document's `switching`, as it is now."""
+        self.mover = mover
+        """How this gateway switches a server; None where it cannot (no [launch], no store)."""
+        self.governor = Governor()
 
     def close(self) -> None:
         for path in self.profile_files.values():
@@ -207,4 +263,13 @@ class Advisor:
                 advice.gain,
             )  # fmt: skip
         self.advice = advice
+        rules = self.rules()
+        if rules.enabled:
+            # The plan covers every split: the one a step nearer the recommendation included.
+            step = self.governor.move(rules, attainment, recommended, spec, spec + plain, time.monotonic())
+            if step and self.mover is None:
+                _log.warning("advisor: switching is enabled but this gateway cannot restart servers "
+                             "(it needs a [launch] section and a policy store)")  # fmt: skip
+            elif step and self.mover is not None:
+                await self.mover(step)
         return advice

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
@@ -32,6 +34,7 @@ from specgate.gateway.relay import Relay
 from specgate.gateway.server import GuardedRunner
 from specgate.gateway.state import ADVISOR, FLEET, METRICS, POLICY, RELAY, SESSION, SETTINGS
 from specgate.gateway.store import PolicyStore
+from specgate.gateway.switching import Switcher, SwitchError
 from specgate.protocol.serving import serve_until_cancelled
 from specgate.validation import Invalid
 from specgate.workers.pools import Fleet
@@ -63,7 +66,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     )
     admission = AdmissionControl(fleet, metrics)
     clients = Clients(settings.auth.keys) if settings.auth.enabled else None
-    advisor = Advisor(settings.advisor, partial(_split, fleet), lambda: control.plan.profile, settings.profiles)
+    mover = partial(_move, settings, fleet, store) if settings.launch and store else None
+    advisor = Advisor(
+        settings.advisor, partial(_split, fleet), lambda: control.plan.profile, settings.profiles,
+        lambda: control.current.document.switching, mover,
+    )  # fmt: skip
     window = advisor.window if settings.advisor.enabled else None  # nothing to record for, off
     relay = Relay(settings, fleet, session, metrics, control, admission, clients, window)
     metrics.advise(advisor)
@@ -103,6 +110,38 @@ def _split(fleet: Fleet) -> tuple[int, int]:
     """The fleet's speculative and plain replicas."""
     pools = [r.pool for r in fleet.replicas.values()]
     return pools.count(Pool.SPECULATIVE), pools.count(Pool.PLAIN)
+
+
+SWITCH_LOCK_S = 3600.0
+"""How long one gateway's switch keeps the others from starting one (it lets go when done)."""
+
+
+async def _move(settings: GatewaySettings, fleet: Fleet, store: PolicyStore, step: int) -> None:
+    """The advisor's move: one server of the shrinking pool, the least busy this gateway launched
+    the config of, restarted in the other mode (unless another gateway is switching one now)."""
+    assert settings.launch is not None
+    to = Pool.SPECULATIVE if step > 0 else Pool.PLAIN
+    servers = {s.url: s.name for s in settings.launch.servers}
+    candidates = sorted(
+        (r for r in fleet.replicas.values() if r.pool is to.other and not r.drained and r.url in servers),
+        key=lambda r: r.in_flight,
+    )
+    if not candidates:
+        _log.warning("advisor: no server of the %s pool to switch", to.other.value)
+        return
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+    with contextlib.suppress(*STORE_ERRORS):
+        if not await store.lock("switching", holder, SWITCH_LOCK_S):
+            return  # another gateway is switching a server
+        switcher = Switcher(settings.launch, store, settings.policy, settings.profiles)
+        name = servers[candidates[0].url]
+        _log.info("advisor: switching %s to the %s pool", name, to.value)
+        try:
+            await switcher.switch(name, to)
+        except SwitchError as exc:
+            _log.error("advisor: switching %s failed: %s", name, exc)
+        finally:
+            await store.unlock("switching", holder)
 
 
 async def follow_keys(clients: Clients, settings: GatewaySettings, store: PolicyStore) -> None:

@@ -47,6 +47,12 @@ return {1, version}
 """
 
 
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 class VersionConflict(Exception):
     """The document changed since the writer read it."""
 
@@ -97,6 +103,7 @@ class PolicyStore:
         self.clients_key = f"{prefix}:clients"
         self.history_limit = history_limit
         self._write = client.register_script(_WRITE)
+        self._unlock = client.register_script(_UNLOCK)
 
     @classmethod
     def connect(cls, url: str, prefix: str = "specgate", *, timeout_s: float = 2.0) -> PolicyStore:
@@ -133,6 +140,15 @@ class PolicyStore:
         if not ok:
             raise VersionConflict(expected_version if expected_version is not None else -1, int(version))
         return StoredPolicy(int(version), text, who, when, why)
+
+    async def lock(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Take `{prefix}:lock:{name}` for `ttl_s` unless another holder has it: one gateway of
+        many does a thing at a time."""
+        return bool(await self.client.set(f"{self.key}:lock:{name}", holder, nx=True, px=max(int(ttl_s * 1e3), 1)))
+
+    async def unlock(self, name: str, holder: str) -> None:
+        """Give the lock back, if `holder` still has it."""
+        await self._unlock(keys=[f"{self.key}:lock:{name}"], args=[holder])
 
     async def client_keys(self) -> dict[str, object]:
         """The client key entries kept under `{prefix}:clients` (name -> JSON entry), decoded;

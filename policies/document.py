@@ -19,6 +19,8 @@ A JSON object (in the config file, the same object as the TOML table [policy]); 
         "speculative": {"weight": 1.0, "drain": false},
         "plain": {"weight": 1.0, "drain": false}
       },
+      "switching": {"enabled": false, "min_per_pool": 1, "confirmations": 2, "min_gain": 0.01,
+                    "cooldown_ms": 600000},
       "replicas": {                              # by URL, as the gateways' configs list them
         "http://10.0.0.7:8000": {"pool": "speculative", "drain": false}
       },
@@ -90,6 +92,21 @@ class ReplicaControl(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Take no new requests; those in flight finish (a server about to restart)."""
 
 
+class Switching(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Whether the live advisor may move servers between the pools on its own (`specgate pools
+    switch`, one server at a time), and how sure it must be first."""
+
+    enabled: bool = False
+    min_per_pool: Annotated[int, Meta(ge=0, le=1000)] = 1
+    """It never leaves a pool with fewer servers than this."""
+    confirmations: Annotated[int, Meta(ge=1, le=100)] = 2
+    """Plans in a row that must want the same direction before a server moves (hysteresis)."""
+    min_gain: Annotated[float, Meta(ge=0, le=1)] = 0.01
+    """The predicted SLO attainment a move must add, on the traffic planned on."""
+    cooldown_ms: Annotated[float, Meta(ge=0, le=86_400_000)] = 600_000.0
+    """After a move, how long before the next may start."""
+
+
 ReplicaUrl = Annotated[str, Meta(pattern=r"^https?://[^\s/]+$", max_length=512)]
 """A replica as the gateways' configurations name it: scheme, host and port, no path."""
 MAX_REPLICAS = 4096
@@ -108,6 +125,8 @@ class PolicyDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pools: PoolControls = PoolControls()
     admission: Admission = Admission()
     """How the adaptive policy holds requests no replica can serve in time now."""
+    switching: Switching = Switching()
+    """Whether the live advisor moves servers between the pools itself."""
     replicas: Mapping[str, ReplicaControl] = msgspec.field(default_factory=dict)
     """Per replica URL: the pool it serves in and whether it is drained. A gateway applies the
     entries of the replicas it routes to and ignores the others (another gateway's fleet)."""

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 from specgate.bench.traces import read_trace
 from specgate.calibration import profile_file
 from specgate.calibration.profiles import A100_CODELLAMA_34B, PROFILES
-from specgate.gateway.advisor import Advisor, AdvisorSettings, Seen, TrafficWindow, commonest_slo, trace_csv
+from specgate.gateway.advisor import (
+    Advisor,
+    AdvisorSettings,
+    Governor,
+    Seen,
+    TrafficWindow,
+    commonest_slo,
+    trace_csv,
+)
+from specgate.policies.document import Switching
 
 
 def seen(at: float, ttft: float | None = 2000.0, tpot: float | None = 50.0) -> Seen:
@@ -50,3 +60,58 @@ def test_a_profile_that_is_not_built_in_is_a_file_for_the_plans_while_the_gatewa
     advisor.close()
     assert not path.parent.exists()
     assert Advisor(AdvisorSettings(enabled=False), lambda: (1, 1), lambda: "mine", {"mine": mine}).profile_files == {}
+
+
+RULES = Switching(enabled=True, min_per_pool=1, confirmations=2, min_gain=0.01, cooldown_ms=60_000)
+
+
+def test_the_governor_moves_one_server_after_plans_agree_and_waits_after_a_move() -> None:
+    want_more = {1: 0.80, 2: 0.85, 3: 0.86, 4: 0.87}
+    g = Governor()
+    assert g.move(RULES, want_more, 4, 1, 4, now=0.0) == 0  # one plan is not enough
+    assert g.move(RULES, want_more, 4, 1, 4, now=10.0) == 1  # a step toward the recommendation
+    assert g.move(RULES, want_more, 4, 2, 4, now=20.0) == 0
+    assert g.move(RULES, want_more, 4, 2, 4, now=30.0) == 0  # agreed, but within the cooldown
+    assert g.move(RULES, want_more, 4, 2, 4, now=80.0) == 1
+    # Never below the minimum of a pool: 4 of 4 speculative would leave no plain server.
+    assert Governor().move(RULES, want_more, 4, 3, 4, now=0.0) == 0
+    flat = {1: 0.85, 2: 0.855, 3: 0.86}  # each step adds half a point: not worth a restart
+    g = Governor()
+    assert [g.move(RULES, flat, 3, 1, 4, now=t) for t in (0.0, 100.0, 200.0)] == [0, 0, 0]
+
+
+def test_the_governor_forgets_a_streak_when_the_plans_change_their_mind() -> None:
+    more, fewer = {1: 0.8, 2: 0.85, 3: 0.9}, {1: 0.9, 2: 0.85, 3: 0.8}
+    g = Governor()
+    steps = [g.move(RULES, a, r, 2, 4, now=100.0 * i) for i, (a, r) in enumerate([(more, 3), (fewer, 1), (more, 3)])]
+    assert steps == [0, 0, 0]
+    assert g.move(RULES, more, 3, 2, 4, now=400.0) == 1
+    assert Governor().move(dataclasses.replace(RULES, confirmations=1), fewer, 1, 2, 4, now=0.0) == -1
+
+
+async def test_the_advisor_switches_a_server_when_its_plans_agree() -> None:
+    """The conversation trace's own pace on a fleet of 1 speculative and 3 plain A100 servers with
+    a 50 ms TPOT target: more speculation meets more (plans of `specgate plan`, run for real)."""
+    trace = read_trace(Path(__file__).parents[2] / "shared/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv", 300)
+    settings = AdvisorSettings(interval_s=120.0, window_s=3600.0, min_requests=100, max_requests=300)
+    moves: list[int] = []
+
+    async def mover(step: int) -> None:
+        moves.append(step)
+
+    advisor = Advisor(settings, lambda: (1, 3), lambda: A100_CODELLAMA_34B.name, PROFILES,
+                      lambda: dataclasses.replace(RULES, cooldown_ms=0), mover)  # fmt: skip
+    start = time.monotonic() - trace[-1].arrival_s
+    for r in trace:
+        advisor.window.record(Seen(start + r.arrival_s, r.prompt_tokens, r.output_tokens, 2000.0, 50.0))
+    first = await advisor.plan_once()
+    assert first is not None
+    assert first.recommended > 1
+    assert moves == []  # once is not enough
+    await advisor.plan_once()
+    assert moves == [1]
+    off = Advisor(settings, lambda: (1, 3), lambda: A100_CODELLAMA_34B.name, PROFILES, Switching, mover)
+    off.window = advisor.window
+    await off.plan_once()
+    await off.plan_once()
+    assert moves == [1]  # switching is off unless the policy document enables it
