@@ -12,6 +12,7 @@ cap, and only the `exact` hint scenario hands the true length over as the client
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import itertools
@@ -24,9 +25,10 @@ from typing import Any
 from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import PROFILES, Profile
+from specgate.gateway.advisor import Governor
 from specgate.policies.admission import QUEUE_FULL, AdmissionQueue
 from specgate.policies.decision import Decision, Hold, Shed, Verdict
-from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, parse
+from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, Switching, parse
 from specgate.policies.features import RequestFeatures, SloTargets
 from specgate.policies.latency_model import LatencyModel
 from specgate.policies.length import LengthStats
@@ -59,6 +61,23 @@ class Fleetspec:
 
 
 @dataclass(frozen=True)
+class Switchover:
+    """A fleet whose servers switch between the pools as the live advisor switches them: every
+    `interval_s` it plans on the requests of the last `window_s` (the current split and those a
+    server either way, simulated with the same policy), the `Governor` decides, and a server it
+    moves is drained, restarted (`restart_s`, serving nothing) and re-admitted in the other pool."""
+
+    rules: Switching = Switching(enabled=True)  # noqa: RUF009 (immutable)
+    interval_s: float = 60.0
+    window_s: float = 120.0
+    restart_s: float = 60.0
+    """From a drained server's last answer to its first scrape in the other mode."""
+    min_requests: int = 100
+    max_requests: int = 600
+    """The most recent this many of the window's requests are planned on."""
+
+
+@dataclass(frozen=True)
 class Scenario:
     profile: Profile
     fleet: Fleetspec
@@ -78,6 +97,8 @@ class Scenario:
     refit: bool = True
     """Re-fit each pool's step costs from its answers, as the gateway does (False keeps the
     profile's: what the re-fit is worth)."""
+    switching: Switchover | None = None
+    """Servers switched between the pools during the run, as the advisor would; None: a fixed split."""
 
     def slo_for(self, request_class: str) -> SloTargets:
         return self.slo_classes.get(request_class) or SloTargets(self.slo_ttft_ms, self.slo_tpot_ms)
@@ -120,6 +141,18 @@ class RunResult:
     span_s: float
     scales: Mapping[Pool, Scales] = field(default_factory=dict)
     """Each pool's step costs as re-fitted by the end of the run."""
+    switches: tuple[tuple[float, float, str, Pool], ...] = ()
+    """Each server switched: when it was drained, when it served again, which, and its new pool."""
+    refusals: tuple[tuple[float, str], ...] = ()
+    """Each refused request's arrival and why."""
+
+    def since(self, start_s: float) -> RunResult:
+        """Only the requests that arrived from `start_s` on."""
+        refusals = tuple(r for r in self.refusals if r[0] >= start_s)
+        served = tuple(s for s in self.served if s.arrival_s >= start_s)
+        span = self.span_s - start_s
+        return dataclasses.replace(self, served=served, refused=Counter(why for _, why in refusals), span_s=span,
+                                   refusals=refusals)  # fmt: skip
 
     @property
     def requests(self) -> int:
@@ -217,7 +250,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     queue: AdmissionQueue[int] = AdmissionQueue(document.admission)
     review_scheduled = False
     served: list[Served] = []
-    refused: Counter[str] = Counter()
+    refused: list[tuple[float, str]] = []
     arrivals_left = len(trace)
 
     def start_step(name: str) -> None:
@@ -247,7 +280,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         nonlocal arrivals_left
         arrivals_left -= 1
         if not fits(profile, request):
-            refused[TOO_LONG] += 1
+            refused.append((request.arrival_s, TOO_LONG))
             return
         now = request.arrival_s
         cap = max_tokens(profile, request.prompt_tokens)
@@ -283,7 +316,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             verdict = Shed(QUEUE_FULL, 1.0)
         del waiting[index]
         if not isinstance(verdict, Decision):
-            refused[verdict.reason if verdict is not None else "no-replica"] += 1
+            refused.append((request.arrival_s, verdict.reason if verdict is not None else "no-replica"))
             return
         name = verdict.replica.name
         stay = fleet.replicas[name].dispatched_one(request.prompt_tokens, now)
@@ -339,11 +372,66 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         sims[name].busy = False
         if sims[name].engine.has_work():
             start_step(name)
+        restart_when_idle(name, step.end)
         if step.finished:
             review(step.end)  # capacity has freed up: a held request may fit now
 
+    # --- switching servers between the pools, as the advisor would -------------------------------
+    switchover = scenario.switching
+    governor = Governor()
+    placement: dict[str, Pool] = {}
+    """Servers, by URL, serving in a pool other than their first."""
+    switching: list[Any] = []
+    """The server being switched now: its name, its new pool, when it was drained."""
+    switches: list[tuple[float, float, str, Pool]] = []
+    arrived_at = [r.arrival_s for r in trace]
+
+    def advise(now: float) -> None:
+        assert switchover is not None
+        first = bisect.bisect_right(arrived_at, now - switchover.window_s)
+        window = list(trace[max(first, bisect.bisect_right(arrived_at, now) - switchover.max_requests) :
+                            bisect.bisect_right(arrived_at, now)])  # fmt: skip
+        if switching or len(window) < switchover.min_requests:
+            return
+        replicas = len(fleet.replicas)
+        current = sum(r.pool is Pool.SPECULATIVE for r in fleet.replicas.values())
+        attainment = {}
+        for spec in range(max(current - 1, 0), min(current + 1, replicas) + 1):
+            fixed = dataclasses.replace(scenario, fleet=Fleetspec(spec, replicas - spec), switching=None)
+            attainment[spec] = float(steady(window, fixed).summary()["slo_attainment"])
+        recommended = max(attainment, key=lambda k: (attainment[k], k == current))
+        step = governor.move(switchover.rules, attainment, recommended, current, replicas, now)
+        if not step:
+            return
+        to = Pool.SPECULATIVE if step > 0 else Pool.PLAIN
+        name = min((n for n, r in fleet.replicas.items() if r.pool is to.other),
+                   key=lambda n: sims[n].engine.num_running + sims[n].engine.num_waiting)  # fmt: skip
+        switching[:] = [name, to, now]
+        fleet.arrange(placement, drained={fleet.replicas[name].url})
+        restart_when_idle(name, now)
+
+    def restart_when_idle(name: str, now: float) -> None:
+        if switching and switching[0] == name and not sims[name].busy and not sims[name].engine.has_work():
+            assert switchover is not None
+            heapq.heappush(events, (now + switchover.restart_s, next(order), "restarted", name))
+
+    def restarted(name: str, now: float) -> None:
+        _, to, drained_at = switching
+        replica = fleet.replicas[name]
+        if to is replica.home_pool:
+            placement.pop(replica.url, None)
+        else:
+            placement[replica.url] = to
+        seed = scenario.seed * 1000 + list(fleet.replicas).index(name) + 100 * (len(switches) + 1)
+        sims[name] = _SimReplica(Engine(profile, to, EngineConfig(), seed=seed))
+        fleet.arrange(placement, drained=())
+        switches.append((drained_at, now, name, to))
+        switching.clear()
+
     scrape(0.0)
     heapq.heappush(events, (scenario.scrape_interval_s, next(order), "scrape", None))
+    if switchover is not None:
+        heapq.heappush(events, (switchover.interval_s, next(order), "advise", None))
     for index, request in enumerate(trace):
         heapq.heappush(events, (request.arrival_s, next(order), "arrival", (index, request)))
     while events:
@@ -357,12 +445,39 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             review(now)
             if len(queue):
                 schedule_review(now)
+        elif kind == "advise":
+            assert switchover is not None
+            advise(now)
+            if routed or arrivals_left or len(queue):
+                heapq.heappush(events, (now + switchover.interval_s, next(order), "advise", None))
+        elif kind == "restarted":
+            restarted(payload, now)  # type: ignore[arg-type]
         elif routed or arrivals_left or len(queue):
             scrape(now)
             review(now)
             heapq.heappush(events, (now + scenario.scrape_interval_s, next(order), "scrape", None))
     span = trace[-1].arrival_s - trace[0].arrival_s if len(trace) > 1 else 1.0
-    return RunResult(tuple(served), dict(refused), span, {pool: fit.scales for pool, fit in fleet.fits.items()})
+    scales = {pool: fit.scales for pool, fit in fleet.fits.items()}
+    return RunResult(tuple(served), Counter(why for _, why in refused), span, scales, tuple(switches), tuple(refused))
+
+
+def warmed(trace: Sequence[TraceRequest]) -> tuple[list[TraceRequest], float]:
+    """The requests twice, back to back, and when the second round starts: the second round meets
+    a fleet as loaded as this traffic keeps it, where the first meets an idle one (which a short
+    stretch of traffic, simulated alone, makes look better than it is past saturation)."""
+    if not trace:
+        return [], 0.0
+    span = trace[-1].arrival_s - trace[0].arrival_s
+    offset = span + span / max(len(trace) - 1, 1)  # one mean gap between the rounds
+    second = [dataclasses.replace(r, arrival_s=r.arrival_s - trace[0].arrival_s + offset) for r in trace]
+    first = [dataclasses.replace(r, arrival_s=r.arrival_s - trace[0].arrival_s) for r in trace]
+    return first + second, offset
+
+
+def steady(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
+    """The traffic's figures on a fleet it has already loaded (`warmed`)."""
+    twice, offset = warmed(trace)
+    return simulate(twice, scenario).since(offset)
 
 
 def attainable(trace: Sequence[TraceRequest], scenario: Scenario) -> float:

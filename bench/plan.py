@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specgate.bench.offline import Fleetspec, Scenario, simulate
+from specgate.bench.offline import Fleetspec, Scenario, simulate, steady
 from specgate.bench.traces import TraceRequest, read_trace, scaled
 from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import Profile
@@ -47,6 +47,9 @@ class PlanSettings:
     jobs: int = 1
     splits: Sequence[int] = field(default=())
     """Speculative replicas of each split to simulate; empty: every one from 0 to `replicas`."""
+    warm_up: bool = False
+    """Replay the trace twice and report the second round: a short stretch of traffic (the live
+    advisor's window) met by a fleet it has loaded, not by an idle one."""
 
     def speculative_counts(self) -> list[int]:
         return sorted(set(self.splits)) if self.splits else list(range(self.replicas + 1))
@@ -58,7 +61,7 @@ def run_split(settings: PlanSettings, trace: list[TraceRequest], speculative: in
     scenario = Scenario(
         settings.profile, fleet, settings.policy, settings.slo_ttft_ms, settings.slo_tpot_ms, seed=settings.seed
     )
-    result = simulate(trace, scenario)
+    result = steady(trace, scenario) if settings.warm_up else simulate(trace, scenario)
     summary = result.summary()
     tokens = sum(s.output_tokens for s in result.served)
     good = sum(s.output_tokens for s in result.served if s.meets())
@@ -109,6 +112,7 @@ def plan(settings: PlanSettings) -> dict[str, Any]:
         "slo_ttft_ms": settings.slo_ttft_ms,
         "slo_tpot_ms": settings.slo_tpot_ms,
         "rate_scale": settings.rate_scale,
+        "warm_up": settings.warm_up,
         "price_per_hour": settings.price_per_hour,
         "splits": rows,
         "recommended": chosen["speculative"],

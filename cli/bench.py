@@ -18,6 +18,7 @@ from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 from specgate.cli.arguments import Subcommands, common_options, float_list, positive_float, positive_int
 
 MODULE_BENCHMARKS = {
+    "daily": ("specgate.bench.daily", "fixed splits against a fleet that switches, over a day (docs/bench/daily)"),
     "fidelity": ("specgate.bench.fidelity", "the simulated replica against its sources (docs/fidelity.md)"),
     "cpu-fidelity": ("specgate.bench.cpu_fidelity", "calibrated simulation vs real CPU vLLM (docs/fidelity.md)"),
     "overhead": ("specgate.bench.overhead", "what the gateway adds over a direct path (docs/overhead.md)"),

@@ -41,6 +41,10 @@ def add_command(sub: Subcommands) -> None:
     )
     p.add_argument("--max-requests", type=positive_int, default=2000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--warm-up", action="store_true", help="replay the trace twice and report the second round (a short "
+        "trace met by a fleet it has loaded, not an idle one)",
+    )  # fmt: skip
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1)
     p.add_argument(
         "--json", metavar="FILE", help="write every split's figures here (-: to stdout, instead of the table)"
@@ -65,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         trace=args.trace, replicas=args.replicas, profile=profile, slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms, price_per_hour=args.price_per_hour, policy=args.policy,
         rate_scale=args.rate_scale, max_requests=args.max_requests, seed=args.seed, jobs=args.jobs,
+        warm_up=args.warm_up,
     )  # fmt: skip
     try:
         results = plan(settings)

@@ -4,8 +4,9 @@ path.
 The gateway keeps the requests it answered over the last `window_s` (when each arrived, its prompt
 and output tokens, its SLO targets). Every `interval_s`, with enough of them, it hands them to
 `specgate plan` in a child process (`bench/plan.py`: every split of the fleet's replicas simulated
-with the adaptive policy on this traffic, the profile the policy document names and the traffic's
-commonest SLO pair) and only awaits its answer: the event loop does none of the work. The
+with the adaptive policy on this traffic, replayed twice so that the second round, which it
+reports, meets a fleet this traffic has loaded rather than an idle one; the profile the policy
+document names and the traffic's commonest SLO pair) and only awaits its answer: the event loop does none of the work. The
 recommendation and its predicted gain over the fleet's current split go to `/metrics`
 (`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and
 `GET /admin/fleet`; a log line says when the recommendation changes.
@@ -232,7 +233,7 @@ class Advisor:
             raise KeyError(f"profile {profile!r} has no file to plan with")
         argv = launch.specgate_argv(
             "plan", "--trace", "/dev/stdin", "--replicas", str(spec + plain), "--slo-ttft-ms", f"{slo[0]:g}",
-            "--slo-tpot-ms", f"{slo[1]:g}", *which, "--json", "-", "--jobs", "1",
+            "--slo-tpot-ms", f"{slo[1]:g}", *which, "--json", "-", "--jobs", "1", "--warm-up",
             "--max-requests", str(self.settings.max_requests),
         )  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
