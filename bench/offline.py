@@ -63,8 +63,8 @@ class Fleetspec:
 @dataclass(frozen=True)
 class Switchover:
     """A fleet whose servers switch between the pools as the live advisor switches them: every
-    `interval_s` it plans on the requests of the last `window_s` (the current split and those a
-    server either way, simulated with the same policy), the `Governor` decides, and a server it
+    `interval_s` it plans on the requests of the last `window_s` (every split, simulated with the
+    same policy on them replayed twice, the second round counted), the `Governor` decides, and a server it
     moves is drained, restarted (`restart_s`, serving nothing) and re-admitted in the other pool."""
 
     rules: Switching = Switching(enabled=True)  # noqa: RUF009 (immutable)
@@ -396,7 +396,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         replicas = len(fleet.replicas)
         current = sum(r.pool is Pool.SPECULATIVE for r in fleet.replicas.values())
         attainment = {}
-        for spec in range(max(current - 1, 0), min(current + 1, replicas) + 1):
+        for spec in range(replicas + 1):
             fixed = dataclasses.replace(scenario, fleet=Fleetspec(spec, replicas - spec), switching=None)
             attainment[spec] = float(steady(window, fixed).summary()["slo_attainment"])
         recommended = max(attainment, key=lambda k: (attainment[k], k == current))

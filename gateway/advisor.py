@@ -6,7 +6,8 @@ and output tokens, its SLO targets). Every `interval_s`, with enough of them, it
 `specgate plan` in a child process (`bench/plan.py`: every split of the fleet's replicas simulated
 with the adaptive policy on this traffic, replayed twice so that the second round, which it
 reports, meets a fleet this traffic has loaded rather than an idle one; the profile the policy
-document names and the traffic's commonest SLO pair) and only awaits its answer: the event loop does none of the work. The
+document names and the traffic's commonest SLO pair) and only awaits its answer: the event loop
+does none of the work. The
 recommendation and its predicted gain over the fleet's current split go to `/metrics`
 (`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and
 `GET /admin/fleet`; a log line says when the recommendation changes.
@@ -14,7 +15,7 @@ recommendation and its predicted gain over the fleet's current split go to `/met
 It recommends; it moves a server only when the policy document's `switching` enables it and the
 gateway can restart servers (a [launch] section and a policy store): then, when `confirmations`
 plans in a row want the same direction, each predicting at least `min_gain` more SLO attainment
-for the split one server nearer the recommendation, and no move was made in the last
+for the recommended split than for the current one, and no move was made in the last
 `cooldown_ms`, it switches one server (`gateway/switching.py`), never leaving a pool with fewer
 than `min_per_pool`. The `Governor` holds that hysteresis; the offline simulator runs the same one.
 """
@@ -157,13 +158,13 @@ class Governor:
         now: float,
     ) -> int:
         """+1: a plain server should speculate now; -1: a speculative one should stop; 0: stay.
-        `attainment` is the planned splits', by their speculative servers (the one a step nearer
-        the recommendation among them); `now` in seconds."""
-        step = (recommended > current) - (recommended < current)
-        nearer = current + step
-        if not rules.min_per_pool <= nearer <= replicas - rules.min_per_pool:
-            step = 0
-        gain = attainment.get(nearer, math.nan) - attainment.get(current, math.nan)
+        `attainment` is the planned splits', by their speculative servers; `now` in seconds. The
+        gain that counts is the recommended split's (within the minimum per pool) over the current
+        one's, not the next step's: mixed fleets may do worse than either end (past saturation on
+        some hardware), and a move toward a better end must not be stopped by the valley between."""
+        target = min(max(recommended, rules.min_per_pool), replicas - rules.min_per_pool)
+        step = (target > current) - (target < current)
+        gain = attainment.get(target, math.nan) - attainment.get(current, math.nan)
         if step == 0 or not gain >= rules.min_gain:
             self.streak, self.direction = 0, 0
             return 0

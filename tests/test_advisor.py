@@ -77,7 +77,7 @@ def test_the_governor_moves_one_server_after_plans_agree_and_waits_after_a_move(
     assert g.move(RULES, want_more, 4, 2, 4, now=80.0) == 1
     # Never below the minimum of a pool: 4 of 4 speculative would leave no plain server.
     assert Governor().move(RULES, want_more, 4, 3, 4, now=0.0) == 0
-    flat = {1: 0.85, 2: 0.855, 3: 0.86}  # each step adds half a point: not worth a restart
+    flat = {1: 0.85, 2: 0.853, 3: 0.857}  # less than a point in all: not worth a restart
     g = Governor()
     assert [g.move(RULES, flat, 3, 1, 4, now=t) for t in (0.0, 100.0, 200.0)] == [0, 0, 0]
 
@@ -116,3 +116,12 @@ async def test_the_advisor_switches_a_server_when_its_plans_agree() -> None:
     off.window, off.governor = advisor.window, Governor(streak=1, direction=1)  # one plan from a move
     await off.plan_once()
     assert moves == [1]  # switching is off unless the policy document enables it
+
+
+def test_the_governor_crosses_a_valley_toward_the_better_end() -> None:
+    """Past saturation mixed fleets may do worse than either end: the move toward the best split
+    counts that split's gain, not the next step's."""
+    valley = {0: 0.79, 1: 0.74, 2: 0.73, 3: 0.74, 4: 0.75}
+    rules = msgspec.structs.replace(RULES, min_per_pool=0, confirmations=1, cooldown_ms=0)
+    g = Governor()
+    assert [g.move(rules, valley, 0, current, 4, now=10.0 - current) for current in (4, 3, 2, 1)] == [-1] * 4
