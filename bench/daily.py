@@ -49,7 +49,7 @@ class Day:
     profile: str = DEFAULT_PROFILE
     price_per_hour: float = 3.49
     seed: int = 0
-    interval_min: float = 10.0
+    interval_min: float = 20.0
     """How often the advisor plans, in minutes of the day (the run compresses a day of 1440)."""
     window_min: float = 20.0
     restart_min: float = 2.0

@@ -448,7 +448,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         elif kind == "advise":
             assert switchover is not None
             advise(now)
-            if routed or arrivals_left or len(queue):
+            if arrivals_left:
                 heapq.heappush(events, (now + switchover.interval_s, next(order), "advise", None))
         elif kind == "restarted":
             restarted(payload, now)  # type: ignore[arg-type]

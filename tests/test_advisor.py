@@ -94,8 +94,8 @@ def test_the_governor_forgets_a_streak_when_the_plans_change_their_mind() -> Non
 async def test_the_advisor_switches_a_server_when_its_plans_agree() -> None:
     """The conversation trace's own pace on a fleet of 1 speculative and 3 plain A100 servers with
     a 40 ms TPOT target: more speculation meets more (plans of `specgate plan`, run for real)."""
-    trace = read_trace(Path(__file__).parents[2] / "shared/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv", 300)
-    settings = AdvisorSettings(interval_s=120.0, window_s=3600.0, min_requests=100, max_requests=300)
+    trace = read_trace(Path(__file__).parents[2] / "shared/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv", 200)
+    settings = AdvisorSettings(interval_s=120.0, window_s=3600.0, min_requests=100, max_requests=200)
     moves: list[int] = []
 
     async def mover(step: int) -> None:

@@ -1,17 +1,28 @@
 """The offline simulator and its command line, on small traces."""
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
 
 import pytest
 
-from specgate.bench.offline import TOO_LONG, Fleetspec, Scenario, attainable, policy_document, simulate
+from specgate.bench.offline import (
+    TOO_LONG,
+    Fleetspec,
+    Scenario,
+    Switchover,
+    attainable,
+    policy_document,
+    simulate,
+    steady,
+)
 from specgate.bench.traces import TraceError, TraceRequest, read_trace, scaled
+from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import A100_CODELLAMA_34B
 from specgate.cli import main
 from specgate.policies.decision import Shedding
-from specgate.policies.document import DocumentError
+from specgate.policies.document import DocumentError, Switching
 from specgate.policies.features import SloTargets
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
@@ -199,3 +210,47 @@ def test_per_class_targets_apply_to_the_requests_of_each_class() -> None:
     result = simulate(trace, Scenario(A100_CODELLAMA_34B, Fleetspec(1, 1), "least-loaded", slo_classes=classes))
     assert {s.slo for s in result.served} == set(classes.values())
     assert result.summary()["slo_attainment"] == 0.5  # no first token comes within 1 ms
+
+
+def test_a_switching_fleet_moves_servers_and_loses_no_request() -> None:
+    """A fleet of two plain servers whose traffic needs a pace only speculation keeps: the advisor's
+    plans move both to the speculative pool, each drained, restarted (serving nothing) and
+    re-admitted; every request is answered or refused, none dropped by the moves."""
+    trace = [TraceRequest(i * 0.5, 400, 150) for i in range(600)]
+    rules = Switching(enabled=True, min_per_pool=0, confirmations=1, min_gain=0.01, cooldown_ms=0)
+    switchover = Switchover(rules, interval_s=20.0, window_s=40.0, restart_s=10.0, min_requests=20, max_requests=60)
+    scenario = Scenario(A100_CODELLAMA_34B, Fleetspec(0, 2), "adaptive", 2000.0, 30.0, switching=switchover)
+    result = simulate(trace, scenario)
+    assert result.requests == len(trace)
+    assert result.switches
+    drained, serving, name, pool = result.switches[0]
+    assert (name, pool) == ("plain-0", Pool.SPECULATIVE)
+    assert serving - drained >= switchover.restart_s  # drained, idle, then restarted
+    after = [s.pool for s in result.served if s.arrival_s > serving + 5]
+    assert Pool.SPECULATIVE in after
+    fixed = simulate(trace, dataclasses.replace(scenario, switching=None)).summary()["slo_attainment"]
+    assert result.summary()["slo_attainment"] > fixed + 0.2
+
+
+def test_a_short_trace_replayed_on_the_fleet_it_loaded_counts_once_and_fares_no_better() -> None:
+    trace = scaled(read_trace(AZURE, 300), 4.0)  # past saturation of one server
+    scenario = Scenario(A100_CODELLAMA_34B, Fleetspec(1, 0), "least-loaded", 2000.0, 50.0)
+    once, loaded = simulate(trace, scenario), steady(trace, scenario)
+    assert loaded.requests == len(trace)
+    assert loaded.summary()["ttft_p50_ms"] > once.summary()["ttft_p50_ms"]
+    assert loaded.summary()["slo_attainment"] <= once.summary()["slo_attainment"]
+
+
+def test_bench_daily_writes_every_split_and_the_switching_fleet(tmp_path: Path) -> None:
+    out = tmp_path / "daily"
+    args = ["bench", "daily", "--requests", "300", "--trace", str(AZURE), "--jobs", "2", "--out", str(out)]
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    fleets = [r["fleet"] for r in results["runs"]]
+    assert fleets[:5] == ["all-plain x4", "1 speculative + 3 plain", "2 speculative + 2 plain",
+                          "3 speculative + 1 plain", "all-speculative x4"]  # fmt: skip
+    assert fleets[5].startswith("switching")
+    assert all(r["requests"] == 300 for r in results["runs"])
+    assert len(results["arrivals_per_s_by_hour"]) == 24
+    assert (out / "timeline.png").stat().st_size > 0
+    assert "| switching" in (out / "report.md").read_text()
