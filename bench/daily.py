@@ -244,6 +244,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench daily") 
                         help="minutes of the day a switched server serves nothing")  # fmt: skip
     parser.add_argument("--interval-min", type=float, default=Day.interval_min, help="how often the advisor plans")
     parser.add_argument("--window-min", type=float, default=Day.window_min, help="the recent traffic it plans on")
+    parser.add_argument("--confirmations", type=int, default=Day.confirmations, help="plans that must agree")
+    parser.add_argument("--min-gain", type=float, default=Day.min_gain, help="predicted attainment a move must add")
     parser.add_argument("--starts", type=lambda t: [int(v) for v in t.split(",")], default=None,
                         help="speculative servers of the switching fleet at dawn (default: half)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
@@ -255,7 +257,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench daily") 
         parser.error(f"no trace at {args.trace}")
     day = Day(
         args.trace, args.requests, args.rate_scale, args.replicas, args.slo_ttft_ms, args.slo_tpot_ms, args.profile,
-        args.price_per_hour, args.seed, args.interval_min, args.window_min, args.restart_min,
+        args.price_per_hour, args.seed, args.interval_min, args.window_min, args.restart_min, args.confirmations,
+        args.min_gain,
     )  # fmt: skip
     results = run_day(day, args.starts if args.starts is not None else [args.replicas // 2], args.jobs)
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)]).strip()
