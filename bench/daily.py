@@ -157,8 +157,8 @@ def run_day(day: Day, starts: Sequence[int], jobs: int) -> dict[str, Any]:
 def hindsight(results: dict[str, Any]) -> float:
     """The attainment of a fleet that knew each hour's best fixed split and switched to it at no
     cost: what switching could win at most, at this resolution."""
-    fixed = [r["hourly_attainment"] for r in results["runs"] if not r["switching"]]
-    weights = results["arrivals_per_s_by_hour"]
+    fixed: list[list[float]] = [r["hourly_attainment"] for r in results["runs"] if not r["switching"]]
+    weights: list[float] = results["arrivals_per_s_by_hour"]
     best = [max((run[h] for run in fixed if not math.isnan(run[h])), default=0.0) for h in range(len(weights))]
     return sum(w * b for w, b in zip(weights, best, strict=True)) / sum(weights)
 

@@ -14,7 +14,8 @@ invisible to clients:
    fresh record of it (acceptance, latencies, health) and admits it at its next good scrape.
 
 A server that does not come back in its new mode is started again in the old one and re-admitted
-there; one whose requests do not finish in `drain_timeout_s` is not restarted at all. Either way
+there; one whose requests do not finish in `drain_timeout_s` is not restarted at all; one found
+down (a switch cut short, a crash) is started in the new mode. Either way
 the switch fails (`SwitchError`) and says why. The servers must have been started by a detached
 `specgate pools up`, whose record (`pools.json` in the log folder) says which process each is;
 the record follows the switch, so `pools down` stops the new process.
@@ -112,10 +113,10 @@ class Switcher:
             known = ", ".join(s.name for s in self.plan.servers)
             raise SwitchError(f"no server {name!r} in the config's [launch] section; known: {known}")
         record = next((r for r in records(self.plan.log_dir) if r.name == spec.name), None)
-        if record is None or not ours(record.pid):
+        if record is None:
             raise SwitchError(
-                f"{spec.name} is not running as a detached `specgate pools up` recorded it in "
-                f"{self.plan.log_dir}: only servers started that way can be switched"
+                f"{spec.name} was not started by a detached `specgate pools up` (no record of it in "
+                f"{self.plan.log_dir}): only servers started that way can be switched"
             )
         return spec, record
 
@@ -139,7 +140,7 @@ class Switcher:
         except LaunchConfigError as exc:
             raise SwitchError(f"{spec.name}: {exc}; give one (--speculative-config)") from None
         served_in = None if record.pool is spec.pool else record.pool
-        if record.pool is to:
+        if record.pool is to and ours(record.pid):
             await self._write(spec.url, ReplicaControl(pool=served_in), f"{spec.name} serves in the {to.value} pool")
             return None
         started = time.monotonic()
@@ -150,13 +151,14 @@ class Switcher:
         async with aiohttp.ClientSession() as session:
             try:
                 await asyncio.sleep(self.settings.settle_s)
-                await self._idle(session, spec.url)
+                await self._idle(session, spec.url, record.pid)
             except SwitchError:
                 await self._write(spec.url, ReplicaControl(pool=served_in), f"pools switch: {spec.name} kept as it was")
                 raise
             drained = time.monotonic()
             self.say(f"{spec.name}: idle after {drained - started:.1f} s; restarting it {_mode(to)}")
-            await stop_group(record.pid, self.settings.stop_grace_s)
+            if ours(record.pid):  # (not when a switch cut short, or a crash, left it down)
+                await stop_group(record.pid, self.settings.stop_grace_s)
             try:
                 await wait_healthy(restart(self.plan, target, record), self.plan.ready_timeout_s, session)
             except launch.LaunchError as exc:
@@ -192,9 +194,11 @@ class Switcher:
         await self._write(spec.url, ReplicaControl(pool=served_in), f"pools switch: {spec.name} back as it was")
         raise SwitchError(f"{spec.name} serves as it did; its new mode failed: {why}")
 
-    async def _idle(self, session: aiohttp.ClientSession, url: str) -> None:
+    async def _idle(self, session: aiohttp.ClientSession, url: str, pid: int) -> None:
         """Until the server reports no request running or waiting, twice in a row (a busy server
-        may be slow to answer its metrics: it has until the deadline)."""
+        may be slow to answer its metrics: it has until the deadline), or is down."""
+        if not ours(pid):
+            return
         deadline = time.monotonic() + self.settings.drain_timeout_s
         quiet, why = 0, "requests running"
         while quiet < 2:
