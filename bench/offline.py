@@ -64,8 +64,9 @@ class Fleetspec:
 class Switchover:
     """A fleet whose servers switch between the pools as the live advisor switches them: every
     `interval_s` it plans on the requests of the last `window_s` (every split, simulated with the
-    same policy on them replayed twice, the second round counted), the `Governor` decides, and a server it
-    moves is drained, restarted (`restart_s`, serving nothing) and re-admitted in the other pool."""
+    same policy on them replayed twice, the second round counted), the `Governor` decides, and a
+    server it moves is drained, restarted (`restart_s`, serving nothing) and re-admitted in the
+    other pool."""
 
     rules: Switching = Switching(enabled=True)  # noqa: RUF009 (immutable)
     interval_s: float = 60.0
@@ -187,6 +188,15 @@ def _pct(values: Sequence[float], q: float) -> float:
         return float(statistics.median(values))
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass(frozen=True)
+class _Move:
+    """A server being switched to the other pool: drained, then restarted."""
+
+    name: str
+    to: Pool
+    drained_at: float
 
 
 @dataclass
@@ -381,17 +391,18 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     governor = Governor()
     placement: dict[str, Pool] = {}
     """Servers, by URL, serving in a pool other than their first."""
-    switching: list[Any] = []
-    """The server being switched now: its name, its new pool, when it was drained."""
+    moving: _Move | None = None
+    """The server being switched now."""
     switches: list[tuple[float, float, str, Pool]] = []
     arrived_at = [r.arrival_s for r in trace]
 
     def advise(now: float) -> None:
+        nonlocal moving
         assert switchover is not None
         first = bisect.bisect_right(arrived_at, now - switchover.window_s)
         window = list(trace[max(first, bisect.bisect_right(arrived_at, now) - switchover.max_requests) :
                             bisect.bisect_right(arrived_at, now)])  # fmt: skip
-        if switching or len(window) < switchover.min_requests:
+        if moving is not None or len(window) < switchover.min_requests:
             return
         replicas = len(fleet.replicas)
         current = sum(r.pool is Pool.SPECULATIVE for r in fleet.replicas.values())
@@ -406,17 +417,19 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         to = Pool.SPECULATIVE if step > 0 else Pool.PLAIN
         name = min((n for n, r in fleet.replicas.items() if r.pool is to.other),
                    key=lambda n: sims[n].engine.num_running + sims[n].engine.num_waiting)  # fmt: skip
-        switching[:] = [name, to, now]
+        moving = _Move(name, to, now)
         fleet.arrange(placement, drained={fleet.replicas[name].url})
         restart_when_idle(name, now)
 
     def restart_when_idle(name: str, now: float) -> None:
-        if switching and switching[0] == name and not sims[name].busy and not sims[name].engine.has_work():
+        if moving is not None and moving.name == name and not sims[name].busy and not sims[name].engine.has_work():
             assert switchover is not None
             heapq.heappush(events, (now + switchover.restart_s, next(order), "restarted", name))
 
     def restarted(name: str, now: float) -> None:
-        _, to, drained_at = switching
+        nonlocal moving
+        assert moving is not None
+        to = moving.to
         replica = fleet.replicas[name]
         if to is replica.home_pool:
             placement.pop(replica.url, None)
@@ -425,8 +438,8 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         seed = scenario.seed * 1000 + list(fleet.replicas).index(name) + 100 * (len(switches) + 1)
         sims[name] = _SimReplica(Engine(profile, to, EngineConfig(), seed=seed))
         fleet.arrange(placement, drained=())
-        switches.append((drained_at, now, name, to))
-        switching.clear()
+        switches.append((moving.drained_at, now, name, to))
+        moving = None
 
     scrape(0.0)
     heapq.heappush(events, (scenario.scrape_interval_s, next(order), "scrape", None))

@@ -7,9 +7,8 @@ and output tokens, its SLO targets). Every `interval_s`, with enough of them, it
 with the adaptive policy on this traffic, replayed twice so that the second round, which it
 reports, meets a fleet this traffic has loaded rather than an idle one; the profile the policy
 document names and the traffic's commonest SLO pair) and only awaits its answer: the event loop
-does none of the work. The
-recommendation and its predicted gain over the fleet's current split go to `/metrics`
-(`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and
+does none of the work. The recommendation and its predicted gain over the fleet's current split go
+to `/metrics` (`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and
 `GET /admin/fleet`; a log line says when the recommendation changes.
 
 It recommends; it moves a server only when the policy document's `switching` enables it and the
@@ -267,7 +266,7 @@ class Advisor:
         self.advice = advice
         rules = self.rules()
         if rules.enabled:
-            # The plan covers every split: the one a step nearer the recommendation included.
+            # The plan covers every split: the recommended and the current one among them.
             step = self.governor.move(rules, attainment, recommended, spec, spec + plain, time.monotonic())
             if step and self.mover is None:
                 _log.warning("advisor: switching is enabled but this gateway cannot restart servers "
