@@ -29,7 +29,7 @@ import aiohttp
 from specgate.calibration.modes import Pool
 from specgate.cli.arguments import Subcommands, common_options, positive_float
 from specgate.gateway import switching
-from specgate.gateway.config import ConfigError, load_settings, read_toml
+from specgate.gateway.config import ConfigError, load_settings, read_toml, store_url
 from specgate.gateway.policy_sync import STORE_ERRORS
 from specgate.gateway.store import PolicyStore
 from specgate.gateway.switching import Switcher, SwitchError, SwitchSettings
@@ -162,7 +162,11 @@ def _switch(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"specgate pools: {exc}", file=sys.stderr)
         return 2
-    url = args.redis or settings.store.url
+    try:
+        url = store_url("--redis", args.redis) if args.redis else settings.store.url
+    except ConfigError as exc:
+        print(f"specgate pools switch: {exc}", file=sys.stderr)
+        return 2
     if settings.launch is None or url is None:
         missing = "a [launch] section" if settings.launch is None else "a policy store (--redis or [store] url)"
         print(f"specgate pools switch: needs {missing}: the gateways learn of the switch from it", file=sys.stderr)

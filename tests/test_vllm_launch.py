@@ -159,6 +159,23 @@ def test_pools_commands_refuse_bad_configs(tmp_path: Path) -> None:
     assert not (tmp_path / "logs").exists()
 
 
+def test_pools_switch_refuses_what_it_cannot_switch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before anything is drained or stopped: no store, a bad store URL, a server the
+    config does not start, one no detached `pools up` recorded."""
+    config = tmp_path / "specgate.toml"
+    config.write_text('[launch]\nmodel = "m"\nlog_dir = "logs"\n[[launch.plain]]\nport = 8102\n')
+    switch = ["pools", "switch", "plain-0", "--to", "speculative", "--config", str(config)]
+    assert main(switch) == 2
+    assert "policy store" in capsys.readouterr().err
+    assert main([*switch, "--redis", "http://127.0.0.1:1"]) == 2
+    assert "redis://" in capsys.readouterr().err
+    nowhere = ["--redis", "redis://127.0.0.1:1/0"]  # never reached: refused before
+    assert main(["pools", "switch", "plain-7", "--to", "plain", "--config", str(config), *nowhere]) == 1
+    assert "no server 'plain-7'" in capsys.readouterr().err
+    assert main([*switch, *nowhere]) == 1
+    assert "detached `specgate pools up`" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("name", "spec", "plain"), [("cpu.toml", 1, 1), ("gpu.toml", 4, 4)])
 def test_the_deploy_configs_parse(name: str, spec: int, plain: int) -> None:
     settings = load_settings(Path(__file__).resolve().parents[1] / "deploy" / name)
