@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from specgate.bench.offline import Fleetspec, RunResult, Scenario, Switchover, simulate
+from specgate.bench.plan import throughput
 from specgate.bench.shapes import arrivals
 from specgate.bench.traces import TraceRequest, read_trace, scaled
 from specgate.calibration.modes import Pool
-from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
 from specgate.policies.document import Switching
 
@@ -86,16 +86,11 @@ def run(job: Job) -> dict[str, Any]:
         switching=day.switchover(trace[-1].arrival_s) if job.switching else None,
     )  # fmt: skip
     result = simulate(trace, scenario)
-    span = result.span_s or 1e-9
-    tokens = sum(s.output_tokens for s in result.served)
-    good = sum(s.output_tokens for s in result.served if s.meets())
-    fleet_per_hour = day.price_per_hour * day.replicas
     label = f"switching (from {fleet.label} at dawn)" if job.switching else fleet.label
     return {
         "fleet": label, "speculative": job.speculative, "switching": job.switching, **result.summary(),
-        "usd_per_million_tokens": usd_per_million_tokens(fleet_per_hour, tokens / span),
-        "usd_per_million_good_tokens": usd_per_million_tokens(fleet_per_hour, good / span),
-        "hourly_attainment": hourly(result, span), "switches": [
+        **throughput(result, day.price_per_hour * day.replicas),
+        "hourly_attainment": hourly(result, result.span_s or 1e-9), "switches": [
             {"drained_s": a, "serving_s": b, "server": name, "to": pool.value} for a, b, name, pool in result.switches
         ],
     }  # fmt: skip

@@ -399,9 +399,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     def advise(now: float) -> None:
         nonlocal moving
         assert switchover is not None
-        first = bisect.bisect_right(arrived_at, now - switchover.window_s)
-        window = list(trace[max(first, bisect.bisect_right(arrived_at, now) - switchover.max_requests) :
-                            bisect.bisect_right(arrived_at, now)])  # fmt: skip
+        last = bisect.bisect_right(arrived_at, now)
+        first = max(bisect.bisect_right(arrived_at, now - switchover.window_s), last - switchover.max_requests)
+        window = list(trace[first:last])
         if moving is not None or len(window) < switchover.min_requests:
             return
         replicas = len(fleet.replicas)

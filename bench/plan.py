@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specgate.bench.offline import Fleetspec, Scenario, simulate, steady
+from specgate.bench.offline import Fleetspec, RunResult, Scenario, simulate, steady
 from specgate.bench.traces import TraceRequest, read_trace, scaled
 from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import Profile
@@ -62,19 +62,24 @@ def run_split(settings: PlanSettings, trace: list[TraceRequest], speculative: in
         settings.profile, fleet, settings.policy, settings.slo_ttft_ms, settings.slo_tpot_ms, seed=settings.seed
     )
     result = steady(trace, scenario) if settings.warm_up else simulate(trace, scenario)
-    summary = result.summary()
-    tokens = sum(s.output_tokens for s in result.served)
-    good = sum(s.output_tokens for s in result.served if s.meets())
-    span = result.span_s or 1e-9
-    row: dict[str, Any] = {
-        "speculative": speculative, "plain": fleet.plain, "fleet": fleet.label, **summary,
-        "tokens_per_s": tokens / span, "good_tokens_per_s": good / span,
+    per_hour = settings.price_per_hour * settings.replicas if settings.price_per_hour is not None else None
+    return {
+        "speculative": speculative, "plain": fleet.plain, "fleet": fleet.label, **result.summary(),
+        **throughput(result, per_hour),
     }  # fmt: skip
-    if settings.price_per_hour is not None:
-        fleet_per_hour = settings.price_per_hour * settings.replicas
-        row["usd_per_million_tokens"] = usd_per_million_tokens(fleet_per_hour, tokens / span)
-        row["usd_per_million_good_tokens"] = usd_per_million_tokens(fleet_per_hour, good / span)
-    return row
+
+
+def throughput(result: RunResult, fleet_per_hour: float | None) -> dict[str, float]:
+    """The tokens a second the fleet generated, all of them and those of requests that met their
+    SLOs, and, when the fleet has a price an hour, what a million of each cost."""
+    span = result.span_s or 1e-9
+    tokens = sum(s.output_tokens for s in result.served) / span
+    good = sum(s.output_tokens for s in result.served if s.meets()) / span
+    figures = {"tokens_per_s": tokens, "good_tokens_per_s": good}
+    if fleet_per_hour is not None:
+        figures["usd_per_million_tokens"] = usd_per_million_tokens(fleet_per_hour, tokens)
+        figures["usd_per_million_good_tokens"] = usd_per_million_tokens(fleet_per_hour, good)
+    return figures
 
 
 def _sort_key(row: dict[str, Any]) -> tuple[float, float]:

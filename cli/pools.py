@@ -128,7 +128,7 @@ async def _run_up(plan: LaunchPlan, detach: bool) -> int:
         print(f"specgate pools: {exc}", file=sys.stderr)
         await stop(servers)
         if detach:
-            stop_recorded(plan.log_dir)
+            await stop_recorded(plan.log_dir)
         return 1
 
 
@@ -141,7 +141,7 @@ def _down(args: argparse.Namespace) -> int:
     plan = load_plan(args.config)
     if plan is None:
         return 2
-    stopped = stop_recorded(plan.log_dir)
+    stopped = asyncio.run(stop_recorded(plan.log_dir))
     print(f"specgate pools: stopped {', '.join(stopped) if stopped else 'nothing (none recorded running)'}")
     return 0
 

@@ -347,7 +347,9 @@ async def stop_group(pid: int, grace_s: float = 30.0) -> None:
     launch.signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     await _until(lambda: not alive(pid), deadline)
-    launch.signal_group(pid, signal.SIGKILL)  # the engine core may outlive the API server
+    # The engine core and vLLM's multiprocessing helpers may outlive the API server (some ignore
+    # SIGTERM, and GPU memory stays held while they run): the whole group goes.
+    launch.signal_group(pid, signal.SIGKILL)
     await _until(lambda: not launch.group_alive(pid), deadline + 5)
 
 
@@ -400,25 +402,13 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def stop_recorded(log_dir: Path, grace_s: float = 30.0) -> list[str]:
-    """Stop the servers a detached `pools up` recorded; the names of those that were running."""
+async def stop_recorded(log_dir: Path, grace_s: float = 30.0) -> list[str]:
+    """Stop the servers a detached `pools up` recorded, together; the names of those that were running."""
     state = log_dir / STATE_FILE
     if not state.exists():
         return []
-    stopped = []
-    for entry in records(log_dir):
-        if not ours(entry.pid):
-            continue  # gone already, or the pid was reused by something else: not ours to kill
-        launch.signal_group(entry.pid, signal.SIGTERM)
-        stopped.append((entry.name, entry.pid))
-    deadline = time.monotonic() + grace_s
-    for _, pid in stopped:
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        # The engine core and vLLM's multiprocessing helpers may outlive the API server (some
-        # ignore SIGTERM, and GPU memory stays held while they run): the whole group goes.
-        launch.signal_group(pid, signal.SIGKILL)
-        while launch.group_alive(pid) and time.monotonic() < deadline + 5:
-            time.sleep(0.1)
+    # Not one gone already, or whose pid was reused by something else: not ours to kill.
+    stopped = [entry for entry in records(log_dir) if ours(entry.pid)]
+    await asyncio.gather(*(stop_group(entry.pid, grace_s) for entry in stopped))
     state.unlink()
-    return [name for name, _ in stopped]
+    return [entry.name for entry in stopped]
