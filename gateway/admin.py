@@ -148,7 +148,8 @@ async def get_fleet(request: web.Request) -> web.Response:
     _authorize(request)
     fleet, plan = request.app[FLEET], request.app[POLICY].plan
     snapshot = fleet.snapshot(time.monotonic(), plan.profile)
-    replicas = [{**_replica(r), "drained": fleet.replicas[r.name].drained} for r in snapshot.replicas]
+    replicas = [{**_replica(r), "drained": fleet.replicas[r.name].drained, "retired": fleet.replicas[r.name].retired}
+                for r in snapshot.replicas]  # fmt: skip
     pools = {pool.value: _fit(fit, plan.model, pool) for pool, fit in fleet.fits.items()}
     advice = request.app[ADVISOR].advice
     advisor = advice.view() if advice is not None else None

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from functools import partial
 
 import aiohttp
@@ -37,7 +37,8 @@ from specgate.gateway.store import PolicyStore
 from specgate.gateway.switching import Switcher, SwitchError
 from specgate.protocol.serving import serve_until_cancelled
 from specgate.validation import Invalid
-from specgate.workers.pools import Fleet
+from specgate.workers.discovery import Discovery, PoolSources, source
+from specgate.workers.pools import Fleet, Replica
 
 _log = logging.getLogger(__name__)
 
@@ -76,11 +77,17 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     metrics.advise(advisor)
     app[SESSION], app[FLEET], app[METRICS], app[RELAY], app[POLICY] = session, fleet, metrics, relay, control
     app[ADVISOR] = advisor
+    discovery = _discovery(settings)
+    if discovery is not None:  # the replicas found now, before serving (a source that hangs: without them)
+        with contextlib.suppress(TimeoutError):
+            fleet.reconcile(await asyncio.wait_for(discovery.find(), timeout=10.0))
     # One round of scrapes before serving, so a gateway in front of live replicas is ready at once.
     await asyncio.gather(*(fleet.scrape_once(probes, r) for r in fleet.replicas.values()))
-    tasks = [
-        asyncio.create_task(fleet.scrape_forever(probes, r), name=f"scrape-{r.name}") for r in fleet.replicas.values()
-    ]
+    scrapers = _Scrapers(fleet, probes)
+    scrapers.start(fleet.replicas.values())
+    tasks = []
+    if discovery is not None:
+        tasks.append(asyncio.create_task(discovery.run(partial(_found, fleet, scrapers)), name="discovery"))
     tasks.append(asyncio.create_task(admission.run(), name="admission"))
     if settings.advisor.enabled:
         tasks.append(asyncio.create_task(advisor.run(), name="advisor"))
@@ -99,11 +106,56 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await scrapers.close()
+        if discovery is not None:
+            await discovery.close()
         if store is not None:
             await store.close()
         await session.close()
         await probes.close()
         advisor.close()
+
+
+class _Scrapers:
+    """A scraping task per replica of the fleet, started when it joins and stopped when it goes."""
+
+    def __init__(self, fleet: Fleet, probes: aiohttp.ClientSession) -> None:
+        self.fleet, self.probes = fleet, probes
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, replicas: Iterable[Replica]) -> None:
+        for r in replicas:
+            self.tasks[r.name] = asyncio.create_task(self.fleet.scrape_forever(self.probes, r), name=f"scrape-{r.name}")
+
+    def stop(self, replicas: Iterable[Replica]) -> None:
+        for r in replicas:
+            task = self.tasks.pop(r.name, None)
+            if task is not None:
+                task.cancel()
+
+    async def close(self) -> None:
+        tasks = list(self.tasks.values())
+        self.stop(list(self.fleet.replicas.values()))
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def _discovery(settings: GatewaySettings) -> Discovery | None:
+    """What finds the pools' replicas again and again, when the config names a DNS name or a label
+    selector for one."""
+    if not settings.discovery:
+        return None
+    pools = {pool: PoolSources(settings.pools.get(pool, ()), tuple(source(w) for w in settings.discovery.get(pool, ())))
+             for pool in Pool}  # fmt: skip
+    return Discovery(pools, settings.discovery_interval_s)
+
+
+def _found(fleet: Fleet, scrapers: _Scrapers, urls: dict[Pool, list[str]]) -> None:
+    joined, removed = fleet.reconcile(urls)
+    scrapers.stop(removed)
+    scrapers.start(joined)
 
 
 def _split(fleet: Fleet) -> tuple[int, int]:

@@ -17,6 +17,7 @@ admin API take. Example:
 
     [pools.plain]
     urls = ["http://10.0.0.3:8000"]
+    dns = ["vllm-plain.specgate.svc:8000"]      # a headless Service: found again every 5 s
 
     [policy]
     policy = "threshold"
@@ -44,6 +45,7 @@ from specgate.gateway.server import Limits
 from specgate.policies.document import DocumentError, PolicyDocument
 from specgate.policies.document import parse as parse_document
 from specgate.validation import Invalid, Milliseconds, NonEmpty, Port, PositiveInt, convert
+from specgate.workers.discovery import DnsName, PodSelector, Where
 from specgate.workers.pools import FleetSettings
 from specgate.workers.vllm_launch import LaunchPlan, parse_launch
 
@@ -105,6 +107,10 @@ class AuthSettings:
 class GatewaySettings:
     models: tuple[str, ...]
     pools: Mapping[Pool, tuple[str, ...]]
+    discovery: Mapping[Pool, tuple[Where, ...]] = field(default_factory=dict)
+    """Where more of each pool's replicas are found, again every `discovery_interval_s`: DNS
+    names and Kubernetes label selectors (`workers/discovery.py`)."""
+    discovery_interval_s: float = 5.0
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 32 * 1024 * 1024
@@ -160,16 +166,33 @@ class _Models(_Section, frozen=True):
     served: Annotated[list[NonEmpty], Meta(min_length=1)]
 
 
+class _PodSelector(_Section, frozen=True):
+    selector: NonEmpty
+    port: Annotated[int, Meta(ge=1, le=65535)]
+    namespace: NonEmpty = "default"
+    api: str | None = None
+
+
 class _PoolUrls(_Section, frozen=True):
     urls: list[str] = msgspec.field(default_factory=list)
+    dns: list[NonEmpty] = msgspec.field(default_factory=list)
+    """Names every address of which is a replica, with their port: `vllm-spec.ns.svc:8000`."""
+    kubernetes: list[_PodSelector] = msgspec.field(default_factory=list)
 
 
 class _Pools(_Section, frozen=True):
     speculative: _PoolUrls = _PoolUrls()
     plain: _PoolUrls = _PoolUrls()
 
+    def of(self, pool: Pool) -> _PoolUrls:
+        return self.speculative if pool is Pool.SPECULATIVE else self.plain
+
     def urls(self, pool: Pool) -> list[str]:
-        return (self.speculative if pool is Pool.SPECULATIVE else self.plain).urls
+        return self.of(pool).urls
+
+
+class _Discovery(_Section, frozen=True):
+    interval_ms: Annotated[float, Meta(ge=100, le=3_600_000)] = 5000.0
 
 
 class _Scrape(_Section, frozen=True):
@@ -260,6 +283,7 @@ class _File(_Section, frozen=True):
     profiles: _Profiles = _Profiles()
     pricing: _Pricing = _Pricing()
     advisor: _Advisor = _Advisor()
+    discovery: _Discovery = _Discovery()
     policy: dict[str, Any] = msgspec.field(default_factory=dict)
     launch: dict[str, Any] | None = None
 
@@ -269,6 +293,25 @@ def _url(key: str, value: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
         raise ConfigError(key, f"not an http(s) base URL: {value!r}")
     return value.rstrip("/")
+
+
+def _dns_name(key: str, value: str) -> DnsName:
+    name, _, port = value.rpartition(":")
+    if not name or not port.isdigit() or not 0 < int(port) < 65536 or "/" in name:
+        raise ConfigError(key, f"not a name and a port (vllm-spec.ns.svc:8000): {value!r}")
+    return DnsName(name, int(port))
+
+
+def _discovered(pools: _Pools) -> dict[Pool, tuple[Where, ...]]:
+    found: dict[Pool, tuple[Where, ...]] = {}
+    for pool in Pool:
+        where, key = pools.of(pool), f"pools.{pool.value}"
+        names = [_dns_name(f"{key}.dns[{i}]", v) for i, v in enumerate(where.dns)]
+        selectors = [PodSelector(k.namespace, k.selector, k.port, _url(f"{key}.kubernetes[{i}].api", k.api)
+                                 if k.api is not None else None) for i, k in enumerate(where.kubernetes)]  # fmt: skip
+        if names or selectors:
+            found[pool] = (*names, *selectors)
+    return found
 
 
 def store_url(key: str, url: str) -> str:
@@ -322,8 +365,10 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
             pools = {pool: tuple(s.url for s in launched.servers if s.pool is pool) for pool in Pool}
     if not served:
         raise ConfigError("models.served", "list at least one served model name")
-    if not any(pools.values()):
-        raise ConfigError("pools", "configure at least one replica in pools.speculative or pools.plain")
+    discovered = _discovered(file.pools)
+    if not any(pools.values()) and not discovered:
+        raise ConfigError("pools", "configure at least one replica (urls, dns or kubernetes) in pools.speculative "
+                          "or pools.plain")  # fmt: skip
     store, scrape, timeouts = file.store, file.scrape, file.timeouts
     profiles = profiles_from(
         [base / name for name in file.profiles.files], [f"profiles.files[{i}]" for i in range(len(file.profiles.files))]
@@ -331,6 +376,8 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
     return GatewaySettings(
         models=tuple(served),
         pools=pools,
+        discovery=discovered,
+        discovery_interval_s=file.discovery.interval_ms / 1e3,
         host=file.server.host,
         port=file.server.port,
         max_body_bytes=file.server.max_body_bytes,

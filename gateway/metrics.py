@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from operator import attrgetter
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from specgate.calibration.modes import Pool
 from specgate.calibration.pricing import usd_per_million_tokens
@@ -41,9 +43,29 @@ class _Children:
         return child
 
 
-def _reader(replica: Replica, read: Callable[[Replica], float]) -> Callable[[], float]:
-    """A gauge callback bound to one replica, evaluated when /metrics is read."""
-    return lambda: read(replica)
+class _ReplicaGauges(Collector):
+    """Per replica, read when /metrics is: the replicas there are then, in the pool each serves
+    in then (discovery adds and removes replicas, the policy document moves them)."""
+
+    _GAUGES: tuple[tuple[str, str, Callable[[Replica], float]], ...] = (
+        ("specgate_replica_up", "1 when the replica is admitted, 0 when ejected.", lambda rep: float(rep.healthy)),
+        ("specgate_replica_in_flight", "Requests this gateway has in flight on the replica.",
+         lambda rep: float(rep.in_flight)),
+        ("specgate_replica_scrape_age_seconds", "Seconds since the replica's last good scrape.", Fleet.scrape_age),
+        ("specgate_replica_drained", "1 while the replica takes no new request (drained by the policy document, "
+         "or no longer found by discovery).", lambda rep: float(rep.drained)),
+    )  # fmt: skip
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        replicas = list(self.fleet.replicas.values())
+        for name, documentation, read in self._GAUGES:
+            family = GaugeMetricFamily(name, documentation, labels=("replica", "pool"))
+            for replica in replicas:
+                family.add_metric((replica.name, replica.pool.value), read(replica))
+            yield family
 
 
 def _stderr(term: int, report: FitReport) -> float:
@@ -110,7 +132,7 @@ def _cost_gauges(
         admitted = sum(1 for rep in fleet.replicas.values() if rep.pool is pool and rep.healthy)
         return usd_per_million_tokens(price * admitted, per_second(pool))
 
-    for pool in dict.fromkeys(rep.pool for rep in fleet.replicas.values()):
+    for pool in Pool:
         rate.labels(pool.value).set_function(partial(per_second, pool))
         if pool in prices:
             cost.labels(pool.value).set_function(partial(usd, pool, prices[pool]))
@@ -167,17 +189,7 @@ class GatewayMetrics:
             "specgate_ttft_prediction_error_seconds", "Predicted minus observed TTFT, per pool.",
             ("pool",), buckets=_ERROR_BUCKETS, registry=r,
         ))  # fmt: skip
-        up = Gauge("specgate_replica_up", "1 when the replica is admitted, 0 when ejected.",
-                   ("replica", "pool"), registry=r)  # fmt: skip
-        in_flight = Gauge("specgate_replica_in_flight", "Requests this gateway has in flight on the replica.",
-                          ("replica", "pool"), registry=r)  # fmt: skip
-        age = Gauge("specgate_replica_scrape_age_seconds", "Seconds since the replica's last good scrape.",
-                    ("replica", "pool"), registry=r)  # fmt: skip
-        for replica in fleet.replicas.values():
-            labels = (replica.name, replica.pool.value)
-            up.labels(*labels).set_function(_reader(replica, lambda rep: float(rep.healthy)))
-            in_flight.labels(*labels).set_function(_reader(replica, lambda rep: float(rep.in_flight)))
-            age.labels(*labels).set_function(_reader(replica, fleet.scrape_age))
+        r.register(_ReplicaGauges(fleet))
         _fit_gauges(r, fleet)
         self.queue_depth = Gauge("specgate_queue_depth", "Requests held in the gateway's admission queue.",
                                  registry=r)  # fmt: skip

@@ -264,7 +264,9 @@ class Relay:
                 return None
             raise _refusal(verdict)
         decision = verdict
-        replica = self.fleet.replicas[decision.replica.name]
+        replica = self.fleet.replicas.get(decision.replica.name)
+        if replica is None:  # it left the fleet (discovery no longer finds it) while the request waited
+            raise RetryElsewhere(NoHealthyReplica("the replica chosen left the fleet"), withdrawn=True)
         journey.tried.append(replica.name)
         self.metrics.decisions.labels(plan.policy.name, replica.pool.value, decision.reason).inc()
         if number:

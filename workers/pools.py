@@ -133,6 +133,8 @@ class Replica:
         """The pool the configuration puts it in; the policy document may move it (`move`)."""
         self.drained = False
         """Takes no new requests (the policy document's): its server may be restarting."""
+        self.retired = False
+        """Discovery no longer finds it: drained, and gone from the fleet once its requests end."""
         self.settings = settings
         self.health = self._new_health()
         self.waiting: set[Callable[[], None]] = set()
@@ -385,6 +387,9 @@ async def _max_model_len(session: aiohttp.ClientSession, url: str, limit: aiohtt
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+_PREFIX = {Pool.SPECULATIVE: "spec", Pool.PLAIN: "plain"}
+
+
 class Fleet:
     """Every replica of both pools, by name."""
 
@@ -396,24 +401,59 @@ class Fleet:
         centered on what the other pool's show)."""
         for pool, fit in self.fits.items():
             fit.siblings = [other for p, other in self.fits.items() if p is not pool]
-        prefix = {Pool.SPECULATIVE: "spec", Pool.PLAIN: "plain"}
+        self._named = dict.fromkeys(Pool, 0)
+        """Replicas named so far per pool: a new one takes the next number, never a used one."""
+        self._arranged: tuple[Mapping[str, Pool], Collection[str]] = ({}, ())
         for pool, urls in pools.items():
-            for i, url in enumerate(urls):
-                name = f"{prefix[pool]}-{i}"
-                self.replicas[name] = Replica(name, url, pool, settings, self.fits[pool])
+            for url in urls:
+                self._join(pool, url)
+
+    def _join(self, pool: Pool, url: str) -> Replica:
+        name = f"{_PREFIX[pool]}-{self._named[pool]}"
+        self._named[pool] += 1
+        replica = self.replicas[name] = Replica(name, url, pool, self.settings, self.fits[pool])
+        return replica
 
     def arrange(self, pools: Mapping[str, Pool], drained: Collection[str]) -> None:
         """Replicas, by URL, in a pool other than the configured one, and those that take no new
         requests (the policy document's `replicas`); URLs this fleet does not have are ignored."""
+        self._arranged = (pools, drained)
         for replica in self.replicas.values():
             pool = pools.get(replica.url, replica.home_pool)
             if pool is not replica.pool:
                 _log.info("replica %s (%s) now serves in the %s pool", replica.name, replica.url, pool.value)
                 replica.move(pool, self.fits[pool])
-            drain = replica.url in drained
+            drain = replica.url in drained or replica.retired
             if drain != replica.drained:
                 _log.info("replica %s %s", replica.name, "drained" if drain else "takes requests again")
                 replica.drain(drain)
+
+    def reconcile(self, found: Mapping[Pool, Collection[str]]) -> tuple[list[Replica], list[Replica]]:
+        """The replicas discovery finds now, by pool (`workers/discovery.py`): URLs new to the
+        fleet join it (admitted at their first good scrape), and those no longer found retire:
+        drained, and removed once this gateway has no request left on them. A URL found in both
+        pools stays in the first. Returns the replicas that joined and those removed."""
+        homes: dict[str, Pool] = {}
+        for pool, urls in found.items():
+            for url in urls:
+                homes.setdefault(url.rstrip("/"), pool)
+        by_url = {r.url: r for r in self.replicas.values()}
+        joined = [self._join(pool, url) for url, pool in homes.items() if url not in by_url]
+        for replica in joined:
+            _log.info("replica %s (%s) found in the %s pool", replica.name, replica.url, replica.pool.value)
+        for url, replica in by_url.items():
+            home = homes.get(url)
+            if home is not None and home is not replica.home_pool:
+                replica.home_pool = home  # its labels changed: the document's placement still wins
+            retire = home is None
+            if retire != replica.retired:
+                _log.info("replica %s (%s) %s", replica.name, url, "no longer found" if retire else "found again")
+                replica.retired = retire
+        self.arrange(*self._arranged)
+        removed = [r for r in self.replicas.values() if r.retired and r.in_flight == 0]
+        for replica in removed:
+            del self.replicas[replica.name]
+        return joined, removed
 
     def snapshot(self, now: float, profile: str | None = None) -> Snapshot:
         """Every replica's state; step costs (the fits are the pool's) and acceptance are pooled
