@@ -20,6 +20,7 @@ import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from specgate.bench.traces import TraceRequest
@@ -100,6 +101,12 @@ class Scenario:
     profile's: what the re-fit is worth)."""
     switching: Switchover | None = None
     """Servers switched between the pools during the run, as the advisor would; None: a fixed split."""
+    gateways: int = 1
+    """Gateways in front of the fleet, each with its own accounting (its own dispatches, scrapes at
+    its own moments, its own fits and queue); requests reach them in turn, as from a load
+    balancer. More than one shows what they do not see of each other (the herd effect)."""
+    count_share: bool = True
+    """Each gateway counts its requests as its share of the fleet's (`workers.pools.Share`)."""
 
     def slo_for(self, request_class: str) -> SloTargets:
         return self.slo_classes.get(request_class) or SloTargets(self.slo_ttft_ms, self.slo_tpot_ms)
@@ -245,19 +252,24 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     plan = document.compile("offline", known)
     pools = {Pool.SPECULATIVE: [f"sim://spec-{i}" for i in range(scenario.fleet.spec)],
              Pool.PLAIN: [f"sim://plain-{i}" for i in range(scenario.fleet.plain)]}  # fmt: skip
-    fleet = Fleet(pools, FleetSettings(scrape_interval_s=scenario.scrape_interval_s, refit=scenario.refit))
+    settings = FleetSettings(
+        scrape_interval_s=scenario.scrape_interval_s, refit=scenario.refit, count_share=scenario.count_share
+    )
+    gateways = range(scenario.gateways)
+    fleets = [Fleet(pools, settings) for _ in gateways]
+    fleet = fleets[0]  # every gateway's holds the same replicas, under the same names
     sims: dict[str, _SimReplica] = {}
     for i, (name, replica) in enumerate(fleet.replicas.items()):
         sims[name] = _SimReplica(Engine(profile, replica.pool, EngineConfig(), seed=scenario.seed * 1000 + i))
-    lengths = LengthStats()
+    lengths = [LengthStats() for _ in gateways]
 
     events: list[tuple[float, int, str, object]] = []
     order = itertools.count()
-    routed: dict[str, tuple[TraceRequest, str, Decision, float, Stay]] = {}
-    """Requests on a replica: the request, the replica, the decision, how long it was held, and
-    its stay there."""
+    routed: dict[str, tuple[TraceRequest, str, Decision, float, Stay, int]] = {}
+    """Requests on a replica: the request, the replica, the decision, how long it was held, its
+    stay there, and the gateway that sent it."""
     waiting: dict[int, tuple[TraceRequest, RequestFeatures]] = {}
-    queue: AdmissionQueue[int] = AdmissionQueue(document.admission)
+    queues: list[AdmissionQueue[int]] = [AdmissionQueue(document.admission) for _ in gateways]
     review_scheduled = False
     served: list[Served] = []
     refused: list[tuple[float, str]] = []
@@ -269,8 +281,8 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         sim.busy = True
         heapq.heappush(events, (step.end, next(order), "step", (name, step)))
 
-    def scrape(now: float) -> None:
-        for name, replica in fleet.replicas.items():
+    def scrape(now: float, gateway: int) -> None:
+        for name, replica in fleets[gateway].replicas.items():
             engine = sims[name].engine
             c = engine.counters
             spec = SpecCounters(c.drafts, c.draft_tokens, c.accepted_tokens, tuple(c.accepted_per_pos))
@@ -295,12 +307,13 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         now = request.arrival_s
         cap = max_tokens(profile, request.prompt_tokens)
         slo = scenario.slo_for(request.request_class)
+        gateway = index % scenario.gateways
         features = RequestFeatures(
             model=MODEL,
             stream=True,
             prompt_tokens=request.prompt_tokens,
             max_tokens=cap,
-            expected_output_tokens=lengths.expected(
+            expected_output_tokens=lengths[gateway].expected(
                 MODEL,
                 request.prompt_tokens,
                 hint=request.output_tokens if scenario.hint else None,
@@ -315,12 +328,13 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             output_hinted=scenario.hint,
         )
         waiting[index] = (request, features)
-        settle(index, plan.decide(features, fleet.snapshot(now, plan.profile)), now)
+        settle(index, plan.decide(features, fleets[gateway].snapshot(now, plan.profile)), now)
 
     def settle(index: int, verdict: Verdict, now: float) -> None:
         request, features = waiting[index]
+        gateway = index % scenario.gateways
         if isinstance(verdict, Hold):
-            if queue.hold(index, features, now):
+            if queues[gateway].hold(index, features, now):
                 schedule_review(now)
                 return
             verdict = Shed(QUEUE_FULL, 1.0)
@@ -329,9 +343,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             refused.append((request.arrival_s, verdict.reason if verdict is not None else "no-replica"))
             return
         name = verdict.replica.name
-        stay = fleet.replicas[name].dispatched_one(request.prompt_tokens, now)
+        stay = fleets[gateway].replicas[name].dispatched_one(request.prompt_tokens, now)
         request_id = f"r{index}"
-        routed[request_id] = (request, name, verdict, now - request.arrival_s, stay)
+        routed[request_id] = (request, name, verdict, now - request.arrival_s, stay, gateway)
         output = min(request.output_tokens, max_tokens(profile, request.prompt_tokens))
         # The request accepts drafts as its content does, wherever it goes: every policy and every
         # split is measured on the same draws.
@@ -340,10 +354,19 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         if not sims[name].busy:
             start_step(name)
 
-    def review(now: float) -> None:
-        if len(queue):
-            for index, verdict in queue.review(now, lambda _, f: plan.decide(f, fleet.snapshot(now, plan.profile))):
-                settle(index, verdict, now)
+    def decide(view: Fleet, now: float, _: int, features: RequestFeatures) -> Verdict:
+        return plan.decide(features, view.snapshot(now, plan.profile))
+
+    def review(now: float, only: set[int] | None = None) -> None:
+        """Offers the fleet to the requests held (in the gateways of `only`: those that saw one of
+        their requests finish, which is all a gateway knows of capacity freed between scrapes)."""
+        for gateway, queue in enumerate(queues):
+            if len(queue) and (only is None or gateway in only):
+                for index, verdict in queue.review(now, partial(decide, fleets[gateway], now)):
+                    settle(index, verdict, now)
+
+    def held() -> int:
+        return sum(len(queue) for queue in queues)
 
     def schedule_review(now: float) -> None:
         nonlocal review_scheduled
@@ -352,16 +375,19 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             heapq.heappush(events, (now + REVIEW_INTERVAL_S, next(order), "review", None))
 
     def step_done(name: str, step: StepResult) -> None:
-        replica = fleet.replicas[name]
         for out in step.outputs:
             if out.first:
-                replica.first_byte(routed[out.request_id][0].prompt_tokens)
+                request, *_, gateway = routed[out.request_id]
+                fleets[gateway].replicas[name].first_byte(request.prompt_tokens, step.end)
+        finished_by = set()
         for done in step.finished:
-            request, _, decision, held, stay = routed.pop(done.request_id)
+            request, _, decision, held, stay, gateway = routed.pop(done.request_id)
+            finished_by.add(gateway)
+            replica = fleets[gateway].replicas[name]
             replica.finished(got_first_byte=True, now=step.end)
             assert done.ttft is not None
             replica.observe(done.ttft, done.tpot, decision.terms, stay, step.end, done.step)
-            lengths.observe(MODEL, request.prompt_tokens, done.output_tokens, request.request_class)
+            lengths[gateway].observe(MODEL, request.prompt_tokens, done.output_tokens, request.request_class)
             slo = scenario.slo_for(request.request_class)
             served.append(
                 Served(  # as the client sees it: the wait in the gateway's queue included
@@ -384,7 +410,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             start_step(name)
         restart_when_idle(name, step.end)
         if step.finished:
-            review(step.end)  # capacity has freed up: a held request may fit now
+            review(step.end, finished_by)  # capacity has freed up: a held request may fit now
 
     # --- switching servers between the pools, as the advisor would -------------------------------
     switchover = scenario.switching
@@ -418,7 +444,8 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         name = min((n for n, r in fleet.replicas.items() if r.pool is to.other),
                    key=lambda n: sims[n].engine.num_running + sims[n].engine.num_waiting)  # fmt: skip
         moving = _Move(name, to, now)
-        fleet.arrange(placement, drained={fleet.replicas[name].url})
+        for view in fleets:
+            view.arrange(placement, drained={fleet.replicas[name].url})
         restart_when_idle(name, now)
 
     def restart_when_idle(name: str, now: float) -> None:
@@ -437,14 +464,18 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             placement[replica.url] = to
         seed = scenario.seed * 1000 + list(fleet.replicas).index(name) + 100 * (len(switches) + 1)
         sims[name] = _SimReplica(Engine(profile, to, EngineConfig(), seed=seed))
-        fleet.arrange(placement, drained=())
+        for view in fleets:
+            view.arrange(placement, drained=())
         switches.append((moving.drained_at, now, name, to))
         moving = None
 
-    scrape(0.0)
-    heapq.heappush(events, (scenario.scrape_interval_s, next(order), "scrape", None))
+    for gateway in gateways:  # each scrapes at moments of its own, spread over the interval
+        scrape(0.0, gateway)
+        first = scenario.scrape_interval_s * (1.0 + gateway / scenario.gateways)
+        heapq.heappush(events, (first, next(order), "scrape", gateway))
     if switchover is not None:
         heapq.heappush(events, (switchover.interval_s, next(order), "advise", None))
+
     for index, request in enumerate(trace):
         heapq.heappush(events, (request.arrival_s, next(order), "arrival", (index, request)))
     while events:
@@ -456,7 +487,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         elif kind == "review":
             review_scheduled = False
             review(now)
-            if len(queue):
+            if held():
                 schedule_review(now)
         elif kind == "advise":
             assert switchover is not None
@@ -465,10 +496,11 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
                 heapq.heappush(events, (now + switchover.interval_s, next(order), "advise", None))
         elif kind == "restarted":
             restarted(payload, now)  # type: ignore[arg-type]
-        elif routed or arrivals_left or len(queue):
-            scrape(now)
-            review(now)
-            heapq.heappush(events, (now + scenario.scrape_interval_s, next(order), "scrape", None))
+
+        elif routed or arrivals_left or held():
+            scrape(now, payload)  # type: ignore[arg-type]
+            review(now, {payload})  # type: ignore[arg-type]
+            heapq.heappush(events, (now + scenario.scrape_interval_s, next(order), "scrape", payload))
     span = trace[-1].arrival_s - trace[0].arrival_s if len(trace) > 1 else 1.0
     scales = {pool: fit.scales for pool, fit in fleet.fits.items()}
     return RunResult(tuple(served), Counter(why for _, why in refused), span, scales, tuple(switches), tuple(refused))

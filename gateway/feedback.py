@@ -72,13 +72,16 @@ class Feedback:
                     self.metrics.ttft_error.labels(pool).observe(decision.predicted_ttft_ms / 1e3 - outcome.ttft_s)
             if outcome.tpot_s is not None:
                 self.metrics.tpot.labels(pool).observe(outcome.tpot_s)
+                if predicted_tpot_s is not None:
+                    self.metrics.tpot_error.labels(pool).observe(predicted_tpot_s - outcome.tpot_s)
+        request_class = self.metrics.request_class(journey.request_class or "-")
         if headers.slo_ttft_ms is not None and outcome.ttft_s is not None:
             waited = attempt.started - journey.arrived  # the admission queue and earlier attempts
             met = (waited + outcome.ttft_s) * 1e3 <= headers.slo_ttft_ms
-            self.metrics.slo.labels("ttft", "met" if met else "missed").inc()
+            self.metrics.slo.labels("ttft", "met" if met else "missed", pool, request_class).inc()
         if headers.slo_tpot_ms is not None and outcome.tpot_s is not None:
             met = outcome.tpot_s * 1e3 <= headers.slo_tpot_ms
-            self.metrics.slo.labels("tpot", "met" if met else "missed").inc()
+            self.metrics.slo.labels("tpot", "met" if met else "missed", pool, request_class).inc()
 
     def refused(self, journey: Journey | None, error: GatewayError) -> None:
         """The gateway answered with an error of its own (nothing of a replica reached the client)."""

@@ -10,7 +10,7 @@ from operator import attrgetter
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from specgate.calibration.modes import Pool
@@ -26,6 +26,10 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+_TPOT_ERROR_BUCKETS = (-0.2, -0.1, -0.05, -0.02, -0.01, -0.005, 0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
+MAX_CLASSES = 32
+"""Request classes with a label of their own in specgate_slo: a client names its class, and
+labels without bound would grow the metrics without bound."""
 _ERROR_BUCKETS = (-5.0, -2.0, -1.0, -0.5, -0.2, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -54,18 +58,30 @@ class _ReplicaGauges(Collector):
         ("specgate_replica_scrape_age_seconds", "Seconds since the replica's last good scrape.", Fleet.scrape_age),
         ("specgate_replica_drained", "1 while the replica takes no new request (drained by the policy document, "
          "or no longer found by discovery).", lambda rep: float(rep.drained)),
+        ("specgate_replica_tokens_per_step", "Tokens a sequence gains per engine step on the replica, from its "
+         "spec-decode counters (1 + accepted drafts per step); NaN on a plain replica.",
+         lambda rep: rep.tokens_per_step if rep.tokens_per_step is not None else math.nan),
     )  # fmt: skip
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         replicas = list(self.fleet.replicas.values())
         for name, documentation, read in self._GAUGES:
             family = GaugeMetricFamily(name, documentation, labels=("replica", "pool"))
             for replica in replicas:
                 family.add_metric((replica.name, replica.pool.value), read(replica))
             yield family
+        ejections = CounterMetricFamily("specgate_replica_ejections", "Times the replica was ejected (failures, "
+                                        "failed scrapes, no progress).", labels=("replica", "pool"))  # fmt: skip
+        for replica in replicas:
+            ejections.add_metric((replica.name, replica.pool.value), replica.ejections)
+        yield ejections
+        share = GaugeMetricFamily("specgate_fleet_share", "This gateway's share of the requests the fleet's "
+                                  "replicas serve (first tokens), over the last half minute or so.")  # fmt: skip
+        share.add_metric((), self.fleet.share.value)
+        yield share
 
 
 def _stderr(term: int, report: FitReport) -> float:
@@ -182,12 +198,18 @@ class GatewayMetrics:
             ("pool",), buckets=_TPOT_BUCKETS, registry=r,
         ))  # fmt: skip
         self.slo = _Children(Counter(
-            "specgate_slo", "Requests with an SLO, by SLO kind (ttft, tpot) and outcome (met, missed).",
-            ("kind", "outcome"), registry=r,
+            "specgate_slo", "Requests with an SLO, by SLO kind (ttft, tpot), outcome (met, missed), pool and "
+            f"request class (x-request-class; the first {MAX_CLASSES} seen, then 'other'; '-' without one).",
+            ("kind", "outcome", "pool", "class"), registry=r,
         ))  # fmt: skip
+        self.classes: dict[str, str] = {}
         self.ttft_error = _Children(Histogram(
             "specgate_ttft_prediction_error_seconds", "Predicted minus observed TTFT, per pool.",
             ("pool",), buckets=_ERROR_BUCKETS, registry=r,
+        ))  # fmt: skip
+        self.tpot_error = _Children(Histogram(
+            "specgate_tpot_prediction_error_seconds", "Predicted minus observed TPOT, per pool.",
+            ("pool",), buckets=_TPOT_ERROR_BUCKETS, registry=r,
         ))  # fmt: skip
         r.register(_ReplicaGauges(fleet))
         _fit_gauges(r, fleet)
@@ -225,6 +247,15 @@ class GatewayMetrics:
                      "the current split's, on the recent traffic.", registry=r)  # fmt: skip
         recommended.set_function(read("recommended"))
         gain.set_function(read("gain"))
+
+    def request_class(self, name: str) -> str:
+        """The label of a request class: itself while few are known, else 'other'."""
+        label = self.classes.get(name)
+        if label is None:
+            label = name if len(self.classes) < MAX_CLASSES else "other"
+            if label == name:
+                self.classes[name] = name
+        return label
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,7 +5,7 @@ import pytest
 from specgate.calibration.modes import Pool
 from specgate.workers.acceptance import SpecCounters
 from specgate.workers.health import State
-from specgate.workers.pools import Fleet, FleetSettings, Replica
+from specgate.workers.pools import Fleet, FleetSettings, Replica, Share
 from specgate.workers.scrape import VllmLoad
 
 SETTINGS = FleetSettings(stale_after_s=2.0, eject_after=3)
@@ -255,3 +255,51 @@ def test_the_document_moves_a_replica_to_the_other_pool_and_drains_one() -> None
     assert c.healthy
     fleet.arrange({"http://elsewhere": Pool.PLAIN}, drained={"http://elsewhere"})  # another gateway's replica
     assert [r.pool for r in fleet.replicas.values()] == [Pool.SPECULATIVE, Pool.PLAIN, Pool.PLAIN]
+
+
+def test_a_gateway_alone_has_the_whole_share_and_one_of_three_a_third() -> None:
+    alone, one_of_three = Share(window_s=30.0), Share(window_s=30.0)
+    assert alone.value == 1.0  # no evidence yet
+    for i in range(300):
+        now = i * 0.1
+        alone.sent(now)
+        alone.processed(1.0, now)
+        if i % 3 == 0:
+            one_of_three.sent(now)
+        one_of_three.processed(1.0, now)
+    assert alone.value == 1.0
+    assert one_of_three.value == pytest.approx(1 / 3, rel=0.05)
+    # the others leave: within a few time constants it has the whole fleet again
+    for i in range(300, 1200):
+        one_of_three.sent(i * 0.1)
+        one_of_three.processed(1.0, i * 0.1)
+    assert one_of_three.value > 0.95
+
+
+def test_a_gateway_counts_its_requests_as_its_share_of_the_fleets() -> None:
+    fleet = Fleet({Pool.SPECULATIVE: ["http://s0:80"], Pool.PLAIN: []}, FleetSettings())
+    replica = fleet.replicas["spec-0"]
+    for i in range(40):  # a third of the first tokens the replica's counters show are this gateway's
+        fleet.share.processed(3.0, i * 0.1)
+        fleet.share.sent(i * 0.1)
+    for _ in range(2):
+        replica.dispatched_one(100, now=5.0)
+    state = replica.state(5.0)
+    assert (state.in_flight, state.prefilling, state.prefill_tokens) == (6, 6, 600)
+    alone = Fleet({Pool.SPECULATIVE: ["http://s0:80"], Pool.PLAIN: []}, FleetSettings(count_share=False))
+    alone.share.processed(300.0, 1.0)
+    alone.replicas["spec-0"].dispatched_one(100, now=5.0)
+    assert alone.replicas["spec-0"].state(5.0).in_flight == 1
+
+
+def test_the_share_follows_the_replicas_first_token_counters() -> None:
+    fleet = Fleet({Pool.SPECULATIVE: [], Pool.PLAIN: ["http://p0:80"]}, FleetSettings())
+    replica = fleet.replicas["plain-0"]
+    for i in range(1, 31):
+        replica.scraped(VllmLoad(0.0, 0.0, 0.1, None, None, None, None, first_tokens=4.0 * i), float(i), 0)
+        replica.dispatched_one(10, now=float(i))
+        replica.first_byte(10, now=float(i))  # one of the four is this gateway's
+    assert fleet.share.value == pytest.approx(0.25, rel=0.05)
+    restarted = VllmLoad(0.0, 0.0, 0.1, None, None, None, None, first_tokens=0.0)  # its counters from 0
+    replica.scraped(restarted, 31.0, 0)
+    assert fleet.share.value == pytest.approx(0.25, rel=0.05)

@@ -62,6 +62,11 @@ class FleetSettings:
     """Time constant of the smoothed rate of prompts (and their tokens) sent to each replica."""
     burst_window_s: float = 2.0
     """A shorter one: when prompts come faster over it (a burst), its rate is the one used."""
+    share_window_s: float = 30.0
+    count_share: bool = True
+    """Count this gateway's requests as its share of the fleet's (`Share`); False counts only
+    them (to measure what the share is worth with several gateways)."""
+    """Time constant of this gateway's share of the fleet's work (`Share`)."""
     acceptance_window_steps: float = 2000.0
     """Over how many recent sequence-steps the speculative pool's tokens per step are estimated."""
 
@@ -92,6 +97,50 @@ class _Rate:
         """Prompts and prompt tokens per second."""
         scale = self.decay(now) / self.window_s
         return self.prompts * scale, self.tokens * scale
+
+
+@dataclass
+class Share:
+    """This gateway's share of the work the fleet's replicas do: its own requests that reached
+    their first token, over all the first tokens the replicas' counters show (the count of
+    `vllm:time_to_first_token_seconds`), both decaying with a time constant. (Requests, not
+    prompt tokens: a few long prompts would make a share of tokens swing by half in seconds.)
+
+    A gateway sees its own dispatches at once and everyone else's only at the next scrape. Beside
+    others (other gateways, clients that call the replicas directly), what it counts of its own
+    is about this share of what the replicas get: it divides its own counts by it (`Replica.state`),
+    so N gateways behind one load balancer each see the fleet about as one gateway alone would,
+    not 1/N of it, and do not all pile onto the replica that looked idle at the last scrape.
+    Alone it stays at 1."""
+
+    window_s: float = 30.0
+    own: float = 0.0
+    fleet: float = 0.0
+    at: float = 0.0
+
+    MIN_EVIDENCE = 20.0
+    """First tokens the replicas must have produced lately before the share moves from 1."""
+    FLOOR = 1.0 / 64
+
+    def _decay(self, now: float) -> None:
+        keep = math.exp(-max(now - self.at, 0.0) / self.window_s)
+        self.own, self.fleet, self.at = self.own * keep, self.fleet * keep, max(now, self.at)
+
+    def sent(self, now: float) -> None:
+        """One of this gateway's requests reached its first token."""
+        self._decay(now)
+        self.own += 1.0
+
+    def processed(self, requests: float, now: float) -> None:
+        """A scrape showed a replica's count of first tokens grow by `requests`."""
+        self._decay(now)
+        self.fleet += requests
+
+    @property
+    def value(self) -> float:
+        if self.fleet < self.MIN_EVIDENCE or self.own >= self.fleet:
+            return 1.0
+        return max(self.own / self.fleet, self.FLOOR)
 
 
 def _sequence_steps(delta: SpecCounters, load: VllmLoad, previous: VllmLoad | None) -> float:
@@ -125,7 +174,10 @@ class Stay:
 
 
 class Replica:
-    def __init__(self, name: str, url: str, pool: Pool, settings: FleetSettings, fit: LatencyFit | None = None) -> None:
+    def __init__(
+        self, name: str, url: str, pool: Pool, settings: FleetSettings, fit: LatencyFit | None = None,
+        share: Share | None = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.url = url.rstrip("/")
         self.pool = pool
@@ -162,6 +214,8 @@ class Replica:
         self.observed_tpot_s: float | None = None
         self.fit = fit if fit is not None else settings.latency_fit()
         """The step costs of its pool, re-fitted from the answers of all its replicas."""
+        self.share = share if share is not None else Share(settings.share_window_s)
+        """This gateway's share of the fleet's work (the fleet's, shared by all its replicas)."""
         self._rates = (_Rate(self.settings.rate_window_s), _Rate(self.settings.burst_window_s))
         self._dispatched_at_scrape = 0
         self._last_spec: SpecCounters | None = None
@@ -169,6 +223,8 @@ class Replica:
         """The token counters' last sum, and when it last moved."""
         self.busy_until = 0.0
         """Until when it takes no request, after a 429."""
+        self.ejections = 0
+        """Times it was ejected, all told."""
         self.received_at = 0.0
         """When a byte of an answer last arrived from it (a replica still sending is not hung,
         whatever its counters say: what it sends may have been generated a while ago)."""
@@ -226,14 +282,16 @@ class Replica:
         shorter one when it sees more tokens (a burst, which the longer one is slow to follow)."""
         return max((r.per_s(now) for r in self._rates), key=lambda rates: rates[1])
 
-    def first_byte(self, prompt_tokens: int = 0) -> None:
+    def first_byte(self, prompt_tokens: int = 0, now: float | None = None) -> None:
         self.prefilling -= 1
         self.prefill_tokens -= prompt_tokens
+        self.share.sent(time.monotonic() if now is None else now)
 
     def finished(self, *, got_first_byte: bool, prompt_tokens: int = 0, now: float | None = None) -> None:
         self._count(-1, now)
-        if not got_first_byte:
-            self.first_byte(prompt_tokens)
+        if not got_first_byte:  # its prompt never reached the fleet's counters, as far as we know
+            self.prefilling -= 1
+            self.prefill_tokens -= prompt_tokens
 
     def observe(
         self,
@@ -258,8 +316,9 @@ class Replica:
         in_flight, steady = None, True
         if stay is not None:
             end = time.monotonic() if now is None else now
-            if end > stay.sent:
+            if end > stay.sent:  # all the fleet's requests, as far as this gateway's share tells
                 in_flight = (self.request_seconds(end) - stay.request_seconds) / (end - stay.sent)
+                in_flight /= self.share.value if self.settings.count_share else 1.0
             # uncrowded at the scrape before it was sent, and at every one since
             steady = self.crowded_at < stay.sent - self.settings.scrape_interval_s
 
@@ -294,6 +353,7 @@ class Replica:
             self._ejected()
 
     def _ejected(self, *, hung: bool = False) -> None:
+        self.ejections += 1
         for give_up in list(self.waiting) + (list(self.streaming) if hung else []):
             give_up()
 
@@ -308,6 +368,10 @@ class Replica:
         self._check_progress(load, now)
         previous, self.load = self.load, load
         self.scraped_at = now
+        if previous is not None and previous.first_tokens is not None and load.first_tokens is not None:
+            grown = load.first_tokens - previous.first_tokens
+            if grown > 0:  # (less: the server restarted, its counters with it)
+                self.share.processed(grown, now)
         # Requests still waiting a scrape later: the replica holds them back (a newcomer waits in
         # its queue only until the next step).
         queued = (load.waiting or 0.0) > 0 and previous is not None and (previous.waiting or 0.0) > 0
@@ -340,20 +404,23 @@ class Replica:
 
     def state(self, now: float, tokens_per_step: float | None = None) -> ReplicaState:
         load = self.load
-        arrivals_per_s, prefill_tokens_per_s = self.prompt_rates(now)
         age = (now - self.scraped_at) if self.scraped_at is not None else None
         fresh = load is not None and age is not None and age <= self.settings.stale_after_s
+        # The fleet's requests on it, as far as this gateway can tell: its own over its share of
+        # the fleet's work (`Share`; 1 when it is alone in front of the fleet).
+        arrivals_per_s, prefill_tokens_per_s = self.prompt_rates(now)
+        share = self.share.value if self.settings.count_share else 1.0
         return ReplicaState(
             name=self.name,
             url=self.url,
             pool=self.pool,
             healthy=self.available(now) and not self.drained,
-            in_flight=self.in_flight,
-            prefilling=self.prefilling,
-            prefill_tokens=self.prefill_tokens,
-            prefill_tokens_per_s=prefill_tokens_per_s,
-            arrivals_per_s=arrivals_per_s,
-            dispatched_since_scrape=self.dispatched - self._dispatched_at_scrape,
+            in_flight=round(self.in_flight / share),
+            prefilling=round(self.prefilling / share),
+            prefill_tokens=round(self.prefill_tokens / share),
+            prefill_tokens_per_s=prefill_tokens_per_s / share,
+            arrivals_per_s=arrivals_per_s / share,
+            dispatched_since_scrape=round((self.dispatched - self._dispatched_at_scrape) / share),
             running=load.running if fresh and load else None,
             waiting=load.waiting if fresh and load else None,
             kv_usage=load.kv_usage if fresh and load else None,
@@ -396,6 +463,8 @@ class Fleet:
     def __init__(self, pools: dict[Pool, list[str]], settings: FleetSettings) -> None:
         self.settings = settings
         self.replicas: dict[str, Replica] = {}
+        self.share = Share(settings.share_window_s)
+        """This gateway's share of the work the fleet does (1 alone in front of it)."""
         self.fits = {pool: settings.latency_fit() for pool in Pool}
         """Each pool's step costs, re-fitted from the answers of all its replicas (and a prior
         centered on what the other pool's show)."""
@@ -411,7 +480,7 @@ class Fleet:
     def _join(self, pool: Pool, url: str) -> Replica:
         name = f"{_PREFIX[pool]}-{self._named[pool]}"
         self._named[pool] += 1
-        replica = self.replicas[name] = Replica(name, url, pool, self.settings, self.fits[pool])
+        replica = self.replicas[name] = Replica(name, url, pool, self.settings, self.fits[pool], self.share)
         return replica
 
     def arrange(self, pools: Mapping[str, Pool], drained: Collection[str]) -> None:
