@@ -1,0 +1,167 @@
+"""`specgate bench herd`: one gateway against three and six in front of the same fleet, in the
+offline simulator.
+
+A gateway knows its own dispatches at once and everyone else's only at its next scrape of the
+replicas. Several gateways behind a load balancer (each request reaching the next in turn) each
+see a fraction of what the fleet is asked, and between scrapes they can all send to the replica
+that looked idle: the herd effect. Each gateway here has its own accounting, scrapes at moments of
+its own, its own step-cost fits, learned lengths and admission queue, as separate processes do.
+Measured with each gateway counting its requests as its share of the fleet's (`workers.pools.Share`,
+the default) and counting only its own (the gateway before it), on grid cells (`bench.grid`) at
+three loads and several seeds: the adaptive policy's SLO attainment, and its difference to one
+gateway, per point and on average. Writes results.json and report.md to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from specgate.bench.grid import Cell, capacity_rps, scenario, traffic
+from specgate.bench.offline import simulate
+from specgate.bench.traces import scaled
+from specgate.calibration.profiles import PROFILES
+
+TRACES = Path("../shared/traces/azure_llm_2023")
+CELLS = (
+    Cell(),
+    Cell(arrivals="storms", classes=True, slo=(800.0, 60.0)),
+    Cell(fleet=(4, 4)),
+    Cell(trace="code", fleet=(6, 2), profile="h100-llama31-8b"),
+)
+LOADS = (0.5, 1.0, 2.0)
+GATEWAYS = (1, 3, 6)
+COUNTING = ("share", "own")
+"""How a gateway counts its requests on a replica: as its share of the fleet's, or as they are."""
+
+
+@dataclass(frozen=True)
+class Job:
+    cell: Cell
+    load: float
+    gateways: int
+    counting: str
+    policy: str
+    seed: int
+    requests: int
+    traces: str
+
+
+def run(job: Job) -> dict[str, Any]:
+    trace = traffic(job.cell, Path(job.traces) / f"AzureLLMInferenceTrace_{job.cell.trace}.csv", job.requests, job.seed)
+    span = max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
+    rate = job.load * capacity_rps(PROFILES[job.cell.profile], job.cell.fleet, trace, job.cell.slo[1])
+    setting = replace(scenario(job.cell, job.policy, job.seed), gateways=job.gateways,
+                      count_share=job.counting == "share")  # fmt: skip
+    summary = simulate(scaled(trace, rate * span / len(trace)), setting).summary()
+    return {"cell": job.cell.label, "load": job.load, "gateways": job.gateways, "counting": job.counting,
+            "policy": job.policy, "seed": job.seed, **summary}  # fmt: skip
+
+
+def jobs(requests: int, seeds: int, policies: Sequence[str], traces: Path, quick: bool = False) -> list[Job]:
+    cells = CELLS[:1] if quick else CELLS
+    out = []
+    for cell in cells:
+        for load in LOADS:
+            for seed in range(seeds):
+                for policy in policies:
+                    out.append(Job(cell, load, 1, "share", policy, seed, requests, str(traces)))
+                    for n in GATEWAYS[1:]:
+                        out += [Job(cell, load, n, c, policy, seed, requests, str(traces)) for c in COUNTING]
+    return out
+
+
+def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell, load, policy, gateways and counting: attainment over the seeds, and its
+    difference to one gateway's (seed by seed, then averaged)."""
+    one = {(r["cell"], r["load"], r["policy"], r["seed"]): r["slo_attainment"] for r in runs if r["gateways"] == 1}
+    groups: dict[tuple[str, float, str, int, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["cell"], r["load"], r["policy"], r["gateways"], r["counting"]), []).append(r)
+    rows = []
+    for (cell, load, policy, gateways, counting), rs in groups.items():
+        diffs = [r["slo_attainment"] - one[(cell, load, policy, r["seed"])] for r in rs]
+        rows.append({"cell": cell, "load": load, "policy": policy, "gateways": gateways, "counting": counting,
+                     "slo_attainment": statistics.fmean(r["slo_attainment"] for r in rs),
+                     "to_one_gateway": statistics.fmean(diffs), "seeds": len(rs)})  # fmt: skip
+    return rows
+
+
+def report(results: dict[str, Any], command: str) -> str:
+    rows = results["rows"]
+    lines = [
+        "# Many gateways in front of one fleet",
+        "",
+        f"`{command}`",
+        "",
+        f"{results['requests']} requests a run, {results['seeds']} seeds; loads against each cell's capacity "
+        "within its TPOT target. Attainment difference to one gateway in points (seed by seed, then the mean).",
+        "",
+    ]
+    for policy in results["policies"]:
+        lines += [f"## {policy}", "", "| counting | gateways | mean difference | worst point |", "|---|---|---|---|"]
+        for counting in COUNTING:
+            for n in GATEWAYS[1:]:
+                mine = [r for r in rows if (r["policy"], r["gateways"], r["counting"]) == (policy, n, counting)]
+                if mine:
+                    mean = statistics.fmean(r["to_one_gateway"] for r in mine) * 100
+                    worst = min(mine, key=lambda r: r["to_one_gateway"])
+                    where = f"{worst['cell']}, load {worst['load']:g}"
+                    lines.append(f"| {counting} | {n} | {mean:+.1f} | {worst['to_one_gateway'] * 100:+.1f} ({where}) |")
+        lines += ["", "| cell | load | 1 gateway | " + " | ".join(f"{c} x{n}" for c in COUNTING for n in GATEWAYS[1:])
+                  + " |", "|---|---|---|" + "---|" * (len(COUNTING) * (len(GATEWAYS) - 1))]  # fmt: skip
+        points = dict.fromkeys((r["cell"], r["load"]) for r in rows if r["policy"] == policy)
+        for cell, load in points:
+            at = {
+                (r["gateways"], r["counting"]): r
+                for r in rows
+                if (r["cell"], r["load"], r["policy"]) == (cell, load, policy)
+            }
+            cells = [f"{at[(n, c)]['to_one_gateway'] * 100:+.1f}" for c in COUNTING for n in GATEWAYS[1:]]
+            lines.append(
+                f"| {cell} | {load:g} | {at[(1, 'share')]['slo_attainment']:.3f} | " + " | ".join(cells) + " |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--traces", type=Path, default=TRACES, help="folder of the Azure LLM trace CSVs")
+    parser.add_argument("--requests", type=int, default=800)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--policies", default="adaptive,least-loaded", help="comma-separated")
+    parser.add_argument("--quick", action="store_true", help="the base cell only")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/herd"))
+    args = parser.parse_args(argv)
+    logging.getLogger("specgate").setLevel(logging.WARNING)
+    policies = [p for p in args.policies.split(",") if p]
+    todo = jobs(args.requests, args.seeds, policies, args.traces, args.quick)
+    todo.sort(key=lambda j: -j.load * j.gateways)
+    runs = []
+    with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
+        for done, result in enumerate(pool.map(run, todo), start=1):
+            runs.append(result)
+            sys.stderr.write(f"\r[{'#' * (30 * done // len(todo)):<30}] {done}/{len(todo)} runs")
+    print(file=sys.stderr)
+    results = {"requests": args.requests, "seeds": args.seeds, "policies": policies,
+               "cells": [asdict(c) for c in (CELLS[:1] if args.quick else CELLS)], "runs": runs,
+               "rows": summarize(runs)}  # fmt: skip
+    command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    text = report(results, command)
+    (args.out / "report.md").write_text(text)
+    print(text)
+    return 0

@@ -1,0 +1,82 @@
+"""Two gateway processes in front of one fleet: one killed under load loses only its own requests."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from specgate.testing import SimProcess, sample_value
+from specgate.workers import launch
+
+MODEL = "sim-model"
+
+
+async def stream(session: aiohttp.ClientSession, url: str, started: asyncio.Event) -> bool:
+    """A long streamed answer: True when it ends with [DONE], False when its connection broke."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            text = b""
+            async for chunk in r.content.iter_any():
+                text += chunk
+                started.set()
+            return text.rstrip().endswith(b"data: [DONE]")
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        return False
+
+
+async def running(session: aiohttp.ClientSession, sim: SimProcess) -> float:
+    async with session.get(f"{sim.url}/metrics") as r:
+        return sample_value(await r.text(), "vllm:num_requests_running") or 0.0
+
+
+@pytest.mark.slow
+async def test_a_gateway_killed_under_load_loses_only_its_own_requests(
+    sim_factory: Callable[..., SimProcess], tmp_path: Path
+) -> None:
+    sims = [sim_factory("--mode", mode, "--model", MODEL, "--time-scale", "10") for mode in ("speculative", "plain")]
+    config = tmp_path / "specgate.toml"
+    config.write_text(
+        f'[models]\nserved = ["{MODEL}"]\n[pools.speculative]\nurls = ["{sims[0].url}"]\n'
+        f'[pools.plain]\nurls = ["{sims[1].url}"]\n[scrape]\ninterval_ms = 100\n'
+    )
+    procs = [launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0"), tmp_path / f"{n}.log")
+             for n in ("doomed", "survivor")]  # fmt: skip
+    try:
+        doomed_url, survivor_url = [await launch.wait_ready(p, tmp_path / f"{n}.log")
+                                    for p, n in zip(procs, ("doomed", "survivor"), strict=True)]  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            started = [asyncio.Event() for _ in range(16)]
+            doomed = [asyncio.create_task(stream(session, doomed_url, e)) for e in started[:8]]
+            survivor = [asyncio.create_task(stream(session, survivor_url, e)) for e in started[8:]]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=30)
+            launch.signal_group(procs[0].pid, signal.SIGKILL)  # mid-stream, no chance to clean up
+            lost = await asyncio.gather(*doomed)
+            kept = await asyncio.gather(*survivor)
+            assert not any(lost)
+            assert all(kept), kept  # every one of the survivor's streams ended whole
+            # the survivor still routes to both replicas, none ejected for what the other did
+            async with session.get(f"{survivor_url}/ready") as r:
+                ready = await r.json()
+            assert {name: rep["healthy"] for name, rep in ready["replicas"].items()} == {
+                "spec-0": True,
+                "plain-0": True,
+            }
+            more = [asyncio.Event() for _ in range(4)]
+            assert all(await asyncio.gather(*(stream(session, survivor_url, e) for e in more)))
+            # and the replicas let go of the dead gateway's requests: nothing left running
+            for _ in range(100):
+                if sum([await running(session, s) for s in sims]) == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert sum([await running(session, s) for s in sims]) == 0
+    finally:
+        for p in procs:
+            await launch.terminate(p)
