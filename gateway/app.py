@@ -35,6 +35,7 @@ from specgate.gateway.server import GuardedRunner
 from specgate.gateway.state import ADVISOR, FLEET, METRICS, POLICY, RELAY, SESSION, SETTINGS
 from specgate.gateway.store import PolicyStore
 from specgate.gateway.switching import Switcher, SwitchError
+from specgate.gateway.tracing import Tracer
 from specgate.protocol.serving import serve_until_cancelled
 from specgate.validation import Invalid
 from specgate.workers.discovery import Discovery, PoolSources, source
@@ -73,7 +74,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         lambda: control.current.document.switching, mover,
     )  # fmt: skip
     window = advisor.window if settings.advisor.enabled else None  # nothing to record for, off
-    relay = Relay(settings, fleet, session, metrics, control, admission, clients, window)
+    tracer = Tracer(settings.tracing, probes) if settings.tracing.otlp_url is not None else None
+    relay = Relay(settings, fleet, session, metrics, control, admission, clients, window, tracer)
     metrics.advise(advisor)
     app[SESSION], app[FLEET], app[METRICS], app[RELAY], app[POLICY] = session, fleet, metrics, relay, control
     app[ADVISOR] = advisor
@@ -89,6 +91,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     if discovery is not None:
         tasks.append(asyncio.create_task(discovery.run(partial(_found, fleet, scrapers)), name="discovery"))
     tasks.append(asyncio.create_task(admission.run(), name="admission"))
+    if tracer is not None:
+        tasks.append(asyncio.create_task(tracer.run(), name="tracing"))
     if settings.advisor.enabled:
         tasks.append(asyncio.create_task(advisor.run(), name="advisor"))
     if store is not None:

@@ -42,6 +42,7 @@ from specgate.calibration.profiles import PROFILES, Profile
 from specgate.gateway.advisor import AdvisorSettings
 from specgate.gateway.clients import ClientKey, merged, parse_keys
 from specgate.gateway.server import Limits
+from specgate.gateway.tracing import TracingSettings
 from specgate.policies.document import DocumentError, PolicyDocument
 from specgate.policies.document import parse as parse_document
 from specgate.validation import Invalid, Milliseconds, NonEmpty, Port, PositiveInt, convert
@@ -111,6 +112,8 @@ class GatewaySettings:
     """Where more of each pool's replicas are found, again every `discovery_interval_s`: DNS
     names and Kubernetes label selectors (`workers/discovery.py`)."""
     discovery_interval_s: float = 5.0
+    tracing: TracingSettings = field(default_factory=TracingSettings)
+    """Opt-in OpenTelemetry spans of the routing decisions ([tracing] otlp_url)."""
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 32 * 1024 * 1024
@@ -189,6 +192,12 @@ class _Pools(_Section, frozen=True):
 
     def urls(self, pool: Pool) -> list[str]:
         return self.of(pool).urls
+
+
+class _Tracing(_Section, frozen=True):
+    otlp_url: str | None = None
+    sample_ratio: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    service_name: NonEmpty = "specgate"
 
 
 class _Discovery(_Section, frozen=True):
@@ -284,6 +293,7 @@ class _File(_Section, frozen=True):
     pricing: _Pricing = _Pricing()
     advisor: _Advisor = _Advisor()
     discovery: _Discovery = _Discovery()
+    tracing: _Tracing = _Tracing()
     policy: dict[str, Any] = msgspec.field(default_factory=dict)
     launch: dict[str, Any] | None = None
 
@@ -378,6 +388,11 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
         pools=pools,
         discovery=discovered,
         discovery_interval_s=file.discovery.interval_ms / 1e3,
+        tracing=TracingSettings(
+            otlp_url=_url("tracing.otlp_url", file.tracing.otlp_url) if file.tracing.otlp_url is not None else None,
+            sample_ratio=file.tracing.sample_ratio,
+            service_name=file.tracing.service_name,
+        ),
         host=file.server.host,
         port=file.server.port,
         max_body_bytes=file.server.max_body_bytes,

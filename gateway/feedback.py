@@ -19,6 +19,7 @@ from specgate.gateway.attempt import Attempt
 from specgate.gateway.errors import GatewayError
 from specgate.gateway.journey import Journey
 from specgate.gateway.metrics import GatewayMetrics
+from specgate.gateway.tracing import Tracer
 from specgate.policies.drafts import DraftStats
 from specgate.policies.length import LengthStats
 
@@ -34,8 +35,10 @@ class Feedback:
         *,
         access_log: bool,
         window: TrafficWindow | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.metrics = metrics
+        self.tracer = tracer
         self.window = window
         """The recent traffic the live advisor plans on."""
         self.lengths = lengths
@@ -48,6 +51,15 @@ class Feedback:
         pool = replica.pool.value
         self.metrics.requests.labels(pool, decision.reason, str(outcome.status)).inc()
         self._log(journey, outcome.status, pool, replica.name, decision.reason, outcome.ttft_s)
+        if journey.span is not None:
+            self._trace(journey, outcome.status, {
+                "specgate.pool": pool, "specgate.replica": replica.name, "specgate.reason": decision.reason,
+                "specgate.predicted_ttft_ms": decision.predicted_ttft_ms,
+                "specgate.predicted_tpot_ms": decision.predicted_tpot_ms,
+                "specgate.ttft_ms": outcome.ttft_s * 1e3 if outcome.ttft_s is not None else None,
+                "specgate.tpot_ms": outcome.tpot_s * 1e3 if outcome.tpot_s is not None else None,
+                "gen_ai.usage.output_tokens": outcome.completion_tokens,
+            })  # fmt: skip
         if outcome.status >= 400:
             return
         features, headers = journey.features, journey.headers
@@ -88,6 +100,23 @@ class Feedback:
         self.metrics.requests.labels("none", error.reason, str(error.status)).inc()
         if journey is not None:
             self._log(journey, error.status, "none", "-", error.reason, None)
+            if journey.span is not None:
+                self._trace(journey, error.status, {"specgate.reason": error.reason}, error=error.message)
+
+    def _trace(self, journey: Journey, status: int, attributes: dict[str, object], error: str | None = None) -> None:
+        """The request's span, with what routed it and what it got; ended once."""
+        assert self.tracer is not None
+        assert journey.span is not None
+        features = journey.features
+        self.tracer.end(journey.span, "specgate.route", {
+            "http.request.method": journey.request.method, "url.path": journey.request.path,
+            "http.response.status_code": status, "gen_ai.request.model": features.model,
+            "specgate.request_id": journey.headers.request_id, "specgate.policy": journey.plan.policy.name,
+            "specgate.request_class": journey.request_class or None, "specgate.attempts": len(journey.tried),
+            "specgate.prompt_tokens": features.prompt_tokens, "specgate.slo_ttft_ms": features.slo_ttft_ms,
+            "specgate.slo_tpot_ms": features.slo_tpot_ms, **attributes,
+        }, error=error if error is not None else (f"status {status}" if status >= 500 else None))  # fmt: skip
+        journey.span = None
 
     def _log(self, journey: Journey, status: int, pool: str, replica: str, reason: str, ttft_s: float | None) -> None:
         if not self.access_log:

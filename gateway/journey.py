@@ -15,6 +15,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from specgate.gateway.body import BodyFields
 from specgate.gateway.sla import REQUEST_ID, RoutingHeaders
+from specgate.gateway.tracing import Span
 from specgate.policies.drafts import Group
 from specgate.policies.features import RequestFeatures
 from specgate.policies.registry import RoutingPlan
@@ -45,6 +46,8 @@ class Journey:
     arrived: float = field(default_factory=time.monotonic)
     tried: list[str] = field(default_factory=list)
     """Names of the replicas tried so far, in order."""
+    span: Span | None = None
+    """Its trace span, when tracing is on and it is sampled; None once ended."""
 
     @property
     def request_class(self) -> str:

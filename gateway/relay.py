@@ -45,6 +45,7 @@ from specgate.gateway.feedback import Feedback
 from specgate.gateway.journey import Journey, upstream_headers
 from specgate.gateway.metrics import GatewayMetrics
 from specgate.gateway.sla import parse_routing_headers
+from specgate.gateway.tracing import TRACEPARENT, Tracer
 from specgate.policies.admission import DEADLINE, QUEUE_FULL
 from specgate.policies.decision import Hold, Shed
 from specgate.policies.drafts import DraftStats, group
@@ -78,6 +79,7 @@ class Relay:
         admission: AdmissionControl,
         clients: Clients | None = None,
         window: TrafficWindow | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
@@ -89,7 +91,10 @@ class Relay:
         """Client keys, when they are required."""
         self.lengths = LengthStats()
         self.drafts = DraftStats()
-        self.feedback = Feedback(metrics, self.lengths, self.drafts, access_log=settings.access_log, window=window)
+        self.tracer = tracer
+        self.feedback = Feedback(
+            metrics, self.lengths, self.drafts, access_log=settings.access_log, window=window, tracer=tracer
+        )
         self._sequence = itertools.count(1)  # 0 would make the very first request an exploration
         self.routing = 0
         """Requests being routed or relayed now."""
@@ -187,7 +192,10 @@ class Relay:
         forwarded = upstream_headers(
             request, headers.request_id, forward_authorization=self.settings.forward_authorization
         )
-        return Journey(request, endpoint, raw, fields, headers, features, plan, forwarded, draft_group)
+        span = self.tracer.start(request.headers.get(TRACEPARENT)) if self.tracer is not None else None
+        if span is not None:  # the replica's spans under the gateway's
+            forwarded[TRACEPARENT] = span.traceparent
+        return Journey(request, endpoint, raw, fields, headers, features, plan, forwarded, draft_group, span=span)
 
     async def _route(self, journey: Journey) -> web.StreamResponse:
         route = _Route()
