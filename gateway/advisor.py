@@ -216,7 +216,7 @@ class Advisor:
             try:
                 await self.plan_once()
             except (OSError, ValueError, KeyError) as exc:
-                _log.warning("advisor: no plan this time: %s", exc)
+                _log.warning("advisor: no plan this time: %r", exc)
 
     async def plan_once(self) -> Advice | None:
         seen = self.window.requests(time.monotonic())

@@ -283,9 +283,11 @@ def test_a_gateway_counts_its_requests_as_its_share_of_the_fleets() -> None:
         fleet.share.processed(3.0, i * 0.1)
         fleet.share.sent(i * 0.1)
     for _ in range(2):
-        replica.dispatched_one(100, now=5.0)
-    state = replica.state(5.0)
-    assert (state.in_flight, state.prefilling, state.prefill_tokens) == (6, 6, 600)
+        replica.dispatched_one(100, now=4.0)
+    share = fleet.share.value
+    assert share == pytest.approx(1 / 3, rel=0.1)
+    state = replica.state(4.0)
+    assert (state.in_flight, state.prefilling, state.prefill_tokens) == (6, 6, round(200 / share))
     alone = Fleet({Pool.SPECULATIVE: ["http://s0:80"], Pool.PLAIN: []}, FleetSettings(count_share=False))
     alone.share.processed(300.0, 1.0)
     alone.replicas["spec-0"].dispatched_one(100, now=5.0)
@@ -297,8 +299,7 @@ def test_the_share_follows_the_replicas_first_token_counters() -> None:
     replica = fleet.replicas["plain-0"]
     for i in range(1, 31):
         replica.scraped(VllmLoad(0.0, 0.0, 0.1, None, None, None, None, first_tokens=4.0 * i), float(i), 0)
-        replica.dispatched_one(10, now=float(i))
-        replica.first_byte(10, now=float(i))  # one of the four is this gateway's
+        replica.dispatched_one(10, now=float(i))  # one of the four is this gateway's
     assert fleet.share.value == pytest.approx(0.25, rel=0.05)
     restarted = VllmLoad(0.0, 0.0, 0.1, None, None, None, None, first_tokens=0.0)  # its counters from 0
     replica.scraped(restarted, 31.0, 0)

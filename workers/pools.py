@@ -63,10 +63,10 @@ class FleetSettings:
     burst_window_s: float = 2.0
     """A shorter one: when prompts come faster over it (a burst), its rate is the one used."""
     share_window_s: float = 30.0
+    """Time constant of this gateway's share of the fleet's work (`Share`)."""
     count_share: bool = True
     """Count this gateway's requests as its share of the fleet's (`Share`); False counts only
     them (to measure what the share is worth with several gateways)."""
-    """Time constant of this gateway's share of the fleet's work (`Share`)."""
     acceptance_window_steps: float = 2000.0
     """Over how many recent sequence-steps the speculative pool's tokens per step are estimated."""
 
@@ -101,10 +101,13 @@ class _Rate:
 
 @dataclass
 class Share:
-    """This gateway's share of the work the fleet's replicas do: its own requests that reached
-    their first token, over all the first tokens the replicas' counters show (the count of
-    `vllm:time_to_first_token_seconds`), both decaying with a time constant. (Requests, not
-    prompt tokens: a few long prompts would make a share of tokens swing by half in seconds.)
+    """This gateway's share of the work the fleet's replicas do: the requests it sent, over the
+    first tokens the replicas' counters show (the count of `vllm:time_to_first_token_seconds`),
+    both decaying with a time constant. (Requests, not prompt tokens: a few long prompts would
+    make a share of tokens swing by half in seconds.) Its own are counted when sent, which is
+    when it knows of them (a non-streamed answer shows its first token only at its end): they
+    lead the replicas' count by a TTFT, and requests that fail before a first token count too,
+    both of which err towards a share of 1, counting only its own, as without a share.
 
     A gateway sees its own dispatches at once and everyone else's only at the next scrape. Beside
     others (other gateways, clients that call the replicas directly), what it counts of its own
@@ -127,7 +130,7 @@ class Share:
         self.own, self.fleet, self.at = self.own * keep, self.fleet * keep, max(now, self.at)
 
     def sent(self, now: float) -> None:
-        """One of this gateway's requests reached its first token."""
+        """This gateway sent a request to one of the replicas."""
         self._decay(now)
         self.own += 1.0
 
@@ -268,6 +271,7 @@ class Replica:
     def dispatched_one(self, prompt_tokens: int = 0, now: float | None = None) -> Stay:
         """A request sent to it: its stay, for `observe` when it is answered."""
         at = time.monotonic() if now is None else now
+        self.share.sent(at)
         self.dispatched += 1
         self._count(1, at)
         self.prefilling += 1
@@ -282,16 +286,14 @@ class Replica:
         shorter one when it sees more tokens (a burst, which the longer one is slow to follow)."""
         return max((r.per_s(now) for r in self._rates), key=lambda rates: rates[1])
 
-    def first_byte(self, prompt_tokens: int = 0, now: float | None = None) -> None:
+    def first_byte(self, prompt_tokens: int = 0) -> None:
         self.prefilling -= 1
         self.prefill_tokens -= prompt_tokens
-        self.share.sent(time.monotonic() if now is None else now)
 
     def finished(self, *, got_first_byte: bool, prompt_tokens: int = 0, now: float | None = None) -> None:
         self._count(-1, now)
-        if not got_first_byte:  # its prompt never reached the fleet's counters, as far as we know
-            self.prefilling -= 1
-            self.prefill_tokens -= prompt_tokens
+        if not got_first_byte:
+            self.first_byte(prompt_tokens)
 
     def observe(
         self,
