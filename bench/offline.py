@@ -378,7 +378,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         for out in step.outputs:
             if out.first:
                 request, *_, gateway = routed[out.request_id]
-                fleets[gateway].replicas[name].first_byte(request.prompt_tokens)
+                fleets[gateway].replicas[name].first_byte(request.prompt_tokens, step.end)
         finished_by = set()
         for done in step.finished:
             request, _, decision, held, stay, gateway = routed.pop(done.request_id)

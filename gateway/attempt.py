@@ -118,10 +118,10 @@ class Attempt:
     async def run(self) -> web.StreamResponse:
         """The client's response; `RetryElsewhere` when another replica may serve it instead,
         `StreamBroke` when the replica failed after the client's stream began."""
-        replica, prompt = self.replica, self.journey.features.prompt_tokens
+        replica, prompt, stream = self.replica, self.journey.features.prompt_tokens, self.journey.features.stream
         self.started = time.monotonic()
         body = await self._body()
-        self.outcome.stay = replica.dispatched_one(prompt, self.started)
+        self.outcome.stay = replica.dispatched_one(prompt, self.started, stream=stream)
         watchdog = Watchdog(self.timeouts.first_byte_s, self.timeouts.idle_s)
         replica.waiting.add(watchdog.fire)  # ejected meanwhile (hung, say): go elsewhere
         try:
@@ -131,7 +131,7 @@ class Attempt:
                 replica.waiting.discard(watchdog.fire)
             self._got_first_byte = True
             watchdog.started()
-            replica.first_byte(prompt)
+            replica.first_byte(prompt, stream=stream)
             replica.streaming.add(watchdog.fire)  # found hung meanwhile: go on elsewhere
             try:
                 response = await self._answer(upstream, watchdog)

@@ -1,5 +1,7 @@
 """Replica accounting and health: admission on scrape, ejection, re-admission."""
 
+import math
+
 import pytest
 
 from specgate.calibration.modes import Pool
@@ -299,8 +301,22 @@ def test_the_share_follows_the_replicas_first_token_counters() -> None:
     replica = fleet.replicas["plain-0"]
     for i in range(1, 31):
         replica.scraped(VllmLoad(0.0, 0.0, 0.1, None, None, None, None, first_tokens=4.0 * i), float(i), 0)
-        replica.dispatched_one(10, now=float(i))  # one of the four is this gateway's
+        replica.dispatched_one(10, now=float(i))
+        replica.first_byte(10, now=float(i))  # one of the four is this gateway's
     assert fleet.share.value == pytest.approx(0.25, rel=0.05)
     restarted = VllmLoad(0.0, 0.0, 0.1, None, None, None, None, first_tokens=0.0)  # its counters from 0
     replica.scraped(restarted, 31.0, 0)
     assert fleet.share.value == pytest.approx(0.25, rel=0.05)
+
+
+def test_a_stream_counts_at_its_first_byte_and_a_whole_answer_when_sent() -> None:
+    fleet = Fleet({Pool.SPECULATIVE: [], Pool.PLAIN: ["http://p0:80"]}, FleetSettings())
+    replica = fleet.replicas["plain-0"]
+    replica.dispatched_one(10, now=1.0)
+    assert fleet.share.own == 0.0  # a stream: when its first token is (as vLLM counts it)
+    replica.first_byte(10, now=1.5)
+    assert fleet.share.own == pytest.approx(1.0)
+    replica.dispatched_one(10, now=2.0, stream=False)  # its first token shows only at its end
+    assert fleet.share.own == pytest.approx(1.0 + math.exp(-0.5 / 30.0))
+    replica.first_byte(10, now=9.0, stream=False)
+    assert fleet.share.own == pytest.approx(1.0 + math.exp(-0.5 / 30.0))

@@ -101,13 +101,15 @@ class _Rate:
 
 @dataclass
 class Share:
-    """This gateway's share of the work the fleet's replicas do: the requests it sent, over the
-    first tokens the replicas' counters show (the count of `vllm:time_to_first_token_seconds`),
-    both decaying with a time constant. (Requests, not prompt tokens: a few long prompts would
-    make a share of tokens swing by half in seconds.) Its own are counted when sent, which is
-    when it knows of them (a non-streamed answer shows its first token only at its end): they
-    lead the replicas' count by a TTFT, and requests that fail before a first token count too,
-    both of which err towards a share of 1, counting only its own, as without a share.
+    """This gateway's share of the work the fleet's replicas do: its requests that reached their
+    first token, over the first tokens the replicas' counters show (the count of
+    `vllm:time_to_first_token_seconds`), both decaying with a time constant. (Requests, not
+    prompt tokens: a few long prompts would make a share of tokens swing by half in seconds.)
+    A stream's first token is its first byte, when vLLM counts it too; a non-streamed answer shows
+    its first token only at its end, so those are counted when sent, ahead of the replicas'
+    count by a TTFT: they err towards a share of 1, counting only its own, as without a share.
+    (Counting streams when sent too, a fleet in overload, where requests wait seconds in the
+    replicas' queues, made the share swing from a third to 0.9 for one gateway of three.)
 
     A gateway sees its own dispatches at once and everyone else's only at the next scrape. Beside
     others (other gateways, clients that call the replicas directly), what it counts of its own
@@ -130,7 +132,7 @@ class Share:
         self.own, self.fleet, self.at = self.own * keep, self.fleet * keep, max(now, self.at)
 
     def sent(self, now: float) -> None:
-        """This gateway sent a request to one of the replicas."""
+        """One of this gateway's requests reached its first token (or, not streamed, was sent)."""
         self._decay(now)
         self.own += 1.0
 
@@ -268,10 +270,11 @@ class Replica:
         self._requests = (self.request_seconds(at), max(at, self._requests[1]))
         self.in_flight += change
 
-    def dispatched_one(self, prompt_tokens: int = 0, now: float | None = None) -> Stay:
+    def dispatched_one(self, prompt_tokens: int = 0, now: float | None = None, *, stream: bool = True) -> Stay:
         """A request sent to it: its stay, for `observe` when it is answered."""
         at = time.monotonic() if now is None else now
-        self.share.sent(at)
+        if not stream:
+            self.share.sent(at)
         self.dispatched += 1
         self._count(1, at)
         self.prefilling += 1
@@ -286,14 +289,17 @@ class Replica:
         shorter one when it sees more tokens (a burst, which the longer one is slow to follow)."""
         return max((r.per_s(now) for r in self._rates), key=lambda rates: rates[1])
 
-    def first_byte(self, prompt_tokens: int = 0) -> None:
+    def first_byte(self, prompt_tokens: int = 0, now: float | None = None, *, stream: bool = True) -> None:
         self.prefilling -= 1
         self.prefill_tokens -= prompt_tokens
+        if stream:
+            self.share.sent(time.monotonic() if now is None else now)
 
     def finished(self, *, got_first_byte: bool, prompt_tokens: int = 0, now: float | None = None) -> None:
         self._count(-1, now)
         if not got_first_byte:
-            self.first_byte(prompt_tokens)
+            self.prefilling -= 1
+            self.prefill_tokens -= prompt_tokens
 
     def observe(
         self,
