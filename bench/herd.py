@@ -9,12 +9,18 @@ its own, its own step-cost fits, learned lengths and admission queue, as separat
 Measured with each gateway counting its requests as its share of the fleet's (`workers.pools.Share`,
 the default) and counting only its own (the gateway before it), on grid cells (`bench.grid`) at
 three loads and several seeds: the adaptive policy's SLO attainment, and its difference to one
-gateway, per point and on average. Writes results.json and report.md to `--out`.
+gateway, per point and on average.
+
+With `--http`, the same over HTTP: 1, 3 and 6 `specgate serve` processes in front of 2+2
+`specgate sim` replicas (the base cell's fleet and profile, in real time), a slice of the
+conversation trace replayed by the client in turn through each gateway (`bench.replay`), at about
+the fleet's capacity. Writes results.json and report.md (and http.json, http.md) to `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -28,8 +34,12 @@ from typing import Any
 
 from specgate.bench.grid import Cell, capacity_rps, scenario, traffic
 from specgate.bench.offline import simulate
+from specgate.bench.replay import ReplaySettings, replay
 from specgate.bench.traces import scaled
+from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import PROFILES
+from specgate.testing import start_sim, stop_process
+from specgate.workers import launch
 
 TRACES = Path("../shared/traces/azure_llm_2023")
 CELLS = (
@@ -134,6 +144,67 @@ def report(results: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
+MODEL = "herd-model"
+
+
+def _config(path: Path, pools: dict[Pool, list[str]], profile: str) -> Path:
+    path.write_text(
+        f'[models]\nserved = ["{MODEL}"]\n'
+        + "".join(f"[pools.{pool.value}]\nurls = {json.dumps(urls)}\n" for pool, urls in pools.items())
+        + f'[policy]\npolicy = "adaptive"\nprofile = "{profile}"\n'
+    )
+    return path
+
+
+async def over_http(
+    cell: Cell, gateways: int, requests: int, load: float, traces: Path, folder: Path
+) -> dict[str, Any]:
+    """One run through `gateways` gateway processes in front of simulated replicas (logs in `folder`)."""
+    trace = traffic(cell, traces / f"AzureLLMInferenceTrace_{cell.trace}.csv", requests, 0)
+    span = max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
+    rate = load * capacity_rps(PROFILES[cell.profile], cell.fleet, trace, cell.slo[1])
+    trace = scaled(trace, rate * span / len(trace))
+    modes = [Pool.SPECULATIVE] * cell.fleet[0] + [Pool.PLAIN] * cell.fleet[1]
+    sims = []
+    procs = []
+    try:
+        for i, mode in enumerate(modes):
+            sims.append(await asyncio.to_thread(
+                start_sim, folder / f"sim-{i}.log", "--port", "0", "--mode", mode.value, "--profile", cell.profile,
+                "--model", MODEL, "--seed", str(i),
+            ))  # fmt: skip
+        pools = {pool: [s.url for s, m in zip(sims, modes, strict=True) if m is pool] for pool in Pool}
+        config = await asyncio.to_thread(_config, folder / "gateway.toml", pools, cell.profile)
+        for g in range(gateways):
+            procs.append(launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0"),
+                                      folder / f"gateway-{g}.log"))  # fmt: skip
+        urls = [await launch.wait_ready(p, folder / f"gateway-{g}.log") for g, p in enumerate(procs)]
+        settings = ReplaySettings(urls[0], MODEL, 1.0, cell.slo[0], cell.slo[1], more_gateways=tuple(urls[1:]))
+        result, failed = await replay(trace, settings)
+    finally:
+        for p in procs:
+            await launch.terminate(p)
+        for s in sims:
+            await asyncio.to_thread(stop_process, s.proc)
+    return {"cell": cell.label, "load": load, "gateways": gateways, **result.summary(), "failed": failed}
+
+
+def http_report(runs: Sequence[dict[str, Any]], command: str) -> str:
+    one = next(r for r in runs if r["gateways"] == 1)
+    lines = [
+        "# Many gateways in front of one fleet, over HTTP", "", f"`{command}`", "",
+        f"{one['cell']}, load {one['load']:g}, {one['requests']} requests replayed in real time, in turn "
+        "through each gateway.", "",
+        "| gateways | SLO attainment | difference to one | TTFT p99 ms | TPOT p99 ms | failed |",
+        "|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in runs:
+        to_one = (r["slo_attainment"] - one["slo_attainment"]) * 100
+        lines.append(f"| {r['gateways']} | {r['slo_attainment']:.3f} | {to_one:+.1f} | {r['ttft_p99_ms']:.0f} "
+                     f"| {r['tpot_p99_ms']:.1f} | {r['failed']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -144,8 +215,25 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -
     parser.add_argument("--quick", action="store_true", help="the base cell only")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=Path("docs/bench/herd"))
+    parser.add_argument("--http", action="store_true", help="over HTTP with gateway processes, not offline")
+    parser.add_argument("--load", type=float, default=1.0, help="--http: against the fleet's capacity")
     args = parser.parse_args(argv)
     logging.getLogger("specgate").setLevel(logging.WARNING)
+    command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    if args.http:
+        runs = []
+        for n in GATEWAYS:
+            logs = Path("logs") / "herd-http" / f"x{n}"  # (gitignored)
+            logs.mkdir(parents=True, exist_ok=True)
+            runs.append(asyncio.run(over_http(CELLS[0], n, args.requests, args.load, args.traces,
+                                              logs)))  # fmt: skip
+            print(f"{n} gateway(s): {runs[-1]['slo_attainment']:.3f}", file=sys.stderr)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "http.json").write_text(json.dumps(runs, indent=1) + "\n")
+        text = http_report(runs, command)
+        (args.out / "http.md").write_text(text)
+        print(text)
+        return 0
     policies = [p for p in args.policies.split(",") if p]
     todo = jobs(args.requests, args.seeds, policies, args.traces, args.quick)
     todo.sort(key=lambda j: -j.load * j.gateways)
@@ -158,7 +246,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -
     results = {"requests": args.requests, "seeds": args.seeds, "policies": policies,
                "cells": [asdict(c) for c in (CELLS[:1] if args.quick else CELLS)], "runs": runs,
                "rows": summarize(runs)}  # fmt: skip
-    command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     text = report(results, command)

@@ -41,6 +41,9 @@ class ReplaySettings:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     hint: bool = False
+    more_gateways: tuple[str, ...] = ()
+    """Other gateways in front of the same fleet: requests go to each in turn, as a load
+    balancer sends them."""
 
 
 def request_body(model: str, request: TraceRequest) -> bytes:
@@ -58,7 +61,9 @@ def request_body(model: str, request: TraceRequest) -> bytes:
     )
 
 
-async def _one(session: aiohttp.ClientSession, settings: ReplaySettings, request: TraceRequest) -> Served | int:
+async def _one(
+    session: aiohttp.ClientSession, settings: ReplaySettings, request: TraceRequest, gateway: str
+) -> Served | int:
     """The request's latencies, or the HTTP status it failed with."""
     headers = {"content-type": "application/json"}
     # The gateway sees the replicas' real (scaled) time: so must the SLOs it routes by.
@@ -72,7 +77,7 @@ async def _one(session: aiohttp.ClientSession, settings: ReplaySettings, request
     first = last = 0.0
     tail = b""
     async with session.post(
-        f"{settings.gateway}/v1/chat/completions", data=request_body(settings.model, request), headers=headers
+        f"{gateway}/v1/chat/completions", data=request_body(settings.model, request), headers=headers
     ) as response:
         if response.status != 200:
             await response.read()
@@ -100,11 +105,13 @@ async def replay(trace: Sequence[TraceRequest], settings: ReplaySettings) -> tup
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
-        async def at_arrival(request: TraceRequest) -> None:
+        gateways = (settings.gateway, *settings.more_gateways)
+
+        async def at_arrival(index: int, request: TraceRequest) -> None:
             nonlocal shed, failed
             await asyncio.sleep(max(start + request.arrival_s / settings.time_scale - time.monotonic(), 0.0))
             try:
-                outcome = await _one(session, settings, request)
+                outcome = await _one(session, settings, request, gateways[index % len(gateways)])
             except aiohttp.ClientError:
                 outcome = 0
             if isinstance(outcome, Served):
@@ -114,7 +121,7 @@ async def replay(trace: Sequence[TraceRequest], settings: ReplaySettings) -> tup
             else:
                 failed += 1
 
-        await asyncio.gather(*(at_arrival(r) for r in trace))
+        await asyncio.gather(*(at_arrival(i, r) for i, r in enumerate(trace)))
     span = trace[-1].arrival_s - trace[0].arrival_s if len(trace) > 1 else 1.0
     refused = {"shed": shed, "failed": failed}
     return RunResult(tuple(served), {k: n for k, n in refused.items() if n}, span), failed
