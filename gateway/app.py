@@ -139,9 +139,10 @@ class _Scrapers:
 
     async def close(self) -> None:
         tasks = list(self.tasks.values())
-        self.stop(list(self.fleet.replicas.values()))
+        self.tasks.clear()
         for task in tasks:
             task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
