@@ -104,7 +104,6 @@ async def replay(trace: Sequence[TraceRequest], settings: ReplaySettings) -> tup
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-
         gateways = (settings.gateway, *settings.more_gateways)
 
         async def at_arrival(index: int, request: TraceRequest) -> None:
