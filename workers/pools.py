@@ -143,9 +143,13 @@ class Share:
 
     @property
     def value(self) -> float:
+        """1/N, N the whole number of gateways (or their like) nearest the fleet's first tokens
+        over this gateway's: a gateway alone is at 1 exactly, though the replicas' counters run a
+        little ahead of the first bytes it sees (by a step, and the network), and one of three at a
+        third, not at a third give or take the noise of the last half minute's requests."""
         if self.fleet < self.MIN_EVIDENCE or self.own >= self.fleet:
             return 1.0
-        return max(self.own / self.fleet, self.FLOOR)
+        return max(1.0 / max(round(self.fleet / max(self.own, 1e-9)), 1), self.FLOOR)
 
 
 def _sequence_steps(delta: SpecCounters, load: VllmLoad, previous: VllmLoad | None) -> float:
