@@ -475,7 +475,6 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         heapq.heappush(events, (first, next(order), "scrape", gateway))
     if switchover is not None:
         heapq.heappush(events, (switchover.interval_s, next(order), "advise", None))
-
     for index, request in enumerate(trace):
         heapq.heappush(events, (request.arrival_s, next(order), "arrival", (index, request)))
     while events:
@@ -496,7 +495,6 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
                 heapq.heappush(events, (now + switchover.interval_s, next(order), "advise", None))
         elif kind == "restarted":
             restarted(payload, now)  # type: ignore[arg-type]
-
         elif routed or arrivals_left or held():
             scrape(now, payload)  # type: ignore[arg-type]
             review(now, {payload})  # type: ignore[arg-type]
