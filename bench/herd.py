@@ -205,6 +205,14 @@ def http_report(runs: Sequence[dict[str, Any]], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write(out: Path, name: str, data: object, text: str, report_name: str | None = None) -> None:
+    """`name`.json and the report (`report_name`.md, else `name`.md) in `out`; the report printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{report_name or name}.md").write_text(text)
+    print(text)
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -228,11 +236,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -
             runs.append(asyncio.run(over_http(CELLS[0], n, args.requests, args.load, args.traces,
                                               logs)))  # fmt: skip
             print(f"{n} gateway(s): {runs[-1]['slo_attainment']:.3f}", file=sys.stderr)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "http.json").write_text(json.dumps(runs, indent=1) + "\n")
-        text = http_report(runs, command)
-        (args.out / "http.md").write_text(text)
-        print(text)
+        _write(args.out, "http", runs, http_report(runs, command))
         return 0
     policies = [p for p in args.policies.split(",") if p]
     todo = jobs(args.requests, args.seeds, policies, args.traces, args.quick)
@@ -246,9 +250,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -
     results = {"requests": args.requests, "seeds": args.seeds, "policies": policies,
                "cells": [asdict(c) for c in (CELLS[:1] if args.quick else CELLS)], "runs": runs,
                "rows": summarize(runs)}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    text = report(results, command)
-    (args.out / "report.md").write_text(text)
-    print(text)
+    _write(args.out, "results", results, report(results, command), report_name="report")
     return 0

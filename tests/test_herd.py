@@ -1,0 +1,39 @@
+"""Many gateways in the offline simulator: the herd they make, and what counting their requests as
+their share of the fleet's takes back (`specgate bench herd`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from specgate.bench.grid import Cell
+from specgate.bench.herd import Job, run
+from specgate.cli import main
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023"
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="the shared Azure traces are beside the checkout")
+def test_six_gateways_counting_their_share_lose_far_less_than_counting_their_own(tmp_path: Path) -> None:
+    out = tmp_path / "herd"
+    argv = ["bench", "herd", "--quick", "--seeds", "1", "--requests", "300", "--policies", "adaptive",
+            "--traces", str(TRACES), "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["load"], r["gateways"], r["counting"]): r for r in results["rows"]}
+    assert {n for _, n, _ in rows} == {1, 3, 6}
+    for load in (1.0, 2.0):  # at and past saturation, where the herd costs most
+        own, share = rows[(load, 6, "own")]["to_one_gateway"], rows[(load, 6, "share")]["to_one_gateway"]
+        assert own < -0.1, own  # without the share: 1/6 of the fleet's load, and a herd on its idle replica
+        assert share > own + 0.05, (share, own)
+    assert "| share | 3 |" in (out / "report.md").read_text()
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="the shared Azure traces are beside the checkout")
+def test_one_gateway_is_the_same_whether_it_counts_a_share_or_not() -> None:
+    base = Job(Cell(), 1.0, 1, "share", "adaptive", 0, 300, str(TRACES))
+    alone = run(base)
+    assert alone["slo_attainment"] == run(replace(base, counting="own"))["slo_attainment"]
