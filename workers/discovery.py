@@ -130,13 +130,15 @@ class KubernetesSource:
     def __init__(self, where: PodSelector) -> None:
         self.where = where
         self._client: Any = None
+        self._core: Any = None
 
     @property
     def described(self) -> str:
         return self.where.described
 
-    async def _core(self) -> Any:
-        if self._client is None:
+    def _api(self) -> Any:
+        """The client's core API, made on first use."""
+        if self._core is None:
             try:
                 from kubernetes_asyncio import client, config  # the [kubernetes] extra
             except ImportError:
@@ -152,12 +154,11 @@ class KubernetesSource:
             else:
                 conf.host = self.where.api
             self._client = client.ApiClient(conf)
-        from kubernetes_asyncio import client
-
-        return client.CoreV1Api(self._client)
+            self._core = client.CoreV1Api(self._client)
+        return self._core
 
     async def urls(self) -> list[str]:
-        core = await self._core()
+        core = self._api()
         try:
             pods = await core.list_namespaced_pod(
                 self.where.namespace, label_selector=self.where.selector, _request_timeout=5
@@ -169,7 +170,7 @@ class KubernetesSource:
     async def close(self) -> None:
         if self._client is not None:
             await self._client.close()
-            self._client = None
+            self._client = self._core = None
 
 
 @dataclass(frozen=True)
@@ -190,10 +191,6 @@ class Discovery:
         self.errors: dict[str, str] = {}
         """The sources whose last read failed, and why."""
 
-    @property
-    def dynamic(self) -> bool:
-        return any(p.sources for p in self.pools.values())
-
     async def find(self) -> dict[Pool, list[str]]:
         """Every pool's replica URLs now (a source that fails gives what it gave last)."""
         found: dict[Pool, list[str]] = {}
@@ -201,13 +198,14 @@ class Discovery:
             urls = list(where.urls)
             reads = await asyncio.gather(*(s.urls() for s in where.sources), return_exceptions=True)
             for i, (source, read) in enumerate(zip(where.sources, reads, strict=True)):
-                if isinstance(read, DiscoveryError):
+                if isinstance(read, Exception):  # DiscoveryError, or a failure nobody foresaw
                     if source.described not in self.errors:
                         _log.warning("discovery: %s (keeping the %d replicas it gave last)", read,
-                                     len(self._last.get((pool, i), [])))  # fmt: skip
+                                     len(self._last.get((pool, i), [])),
+                                     exc_info=not isinstance(read, DiscoveryError))  # fmt: skip
                     self.errors[source.described] = str(read)
                     read = self._last.get((pool, i), [])
-                elif isinstance(read, BaseException):
+                elif isinstance(read, BaseException):  # cancelled
                     raise read
                 else:
                     if self.errors.pop(source.described, None) is not None:
