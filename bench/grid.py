@@ -135,6 +135,14 @@ def traffic(cell: Cell, path: Path, requests: int, seed: int) -> list[TraceReque
     return shapes.classes(trace, seed) if cell.classes else trace
 
 
+def loaded(cell: Cell, path: Path, requests: int, seed: int, load: float) -> list[TraceRequest]:
+    """The cell's requests at `load` times the fleet's estimated capacity (`capacity_rps`)."""
+    trace = traffic(cell, path, requests, seed)
+    span = max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
+    rate = load * capacity_rps(PROFILES[cell.profile], cell.fleet, trace, cell.slo[1])
+    return scaled(trace, rate * span / len(trace))
+
+
 def scenario(cell: Cell, policy: str, seed: int) -> Scenario:
     profile = PROFILES[cell.profile]
     spec, plain = cell.fleet
@@ -148,12 +156,8 @@ def scenario(cell: Cell, policy: str, seed: int) -> Scenario:
 
 
 def run(job: Job) -> dict[str, object]:
-    trace = traffic(job.cell, Path(job.trace_path), job.requests, job.seed)
-    profile = PROFILES[job.cell.profile]
-    span = max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
-    rate = job.load * capacity_rps(profile, job.cell.fleet, trace, job.cell.slo[1])
-    setting = scenario(job.cell, job.policy, job.seed)
-    result = simulate(scaled(trace, rate * span / len(trace)), setting)
+    trace = loaded(job.cell, Path(job.trace_path), job.requests, job.seed, job.load)
+    result = simulate(trace, scenario(job.cell, job.policy, job.seed))
     return {"cell": job.cell.label, "load": job.load, "policy": job.policy, **result.summary()}
 
 

@@ -32,12 +32,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from specgate.bench.grid import Cell, capacity_rps, scenario, traffic
+from specgate.bench.grid import Cell, loaded, scenario
 from specgate.bench.offline import simulate
 from specgate.bench.replay import ReplaySettings, replay
-from specgate.bench.traces import scaled
 from specgate.calibration.modes import Pool
-from specgate.calibration.profiles import PROFILES
 from specgate.testing import start_sim, stop_process
 from specgate.workers import launch
 
@@ -66,13 +64,15 @@ class Job:
     traces: str
 
 
+def trace_path(traces: Path, cell: Cell) -> Path:
+    return traces / f"AzureLLMInferenceTrace_{cell.trace}.csv"
+
+
 def run(job: Job) -> dict[str, Any]:
-    trace = traffic(job.cell, Path(job.traces) / f"AzureLLMInferenceTrace_{job.cell.trace}.csv", job.requests, job.seed)
-    span = max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
-    rate = job.load * capacity_rps(PROFILES[job.cell.profile], job.cell.fleet, trace, job.cell.slo[1])
+    trace = loaded(job.cell, trace_path(Path(job.traces), job.cell), job.requests, job.seed, job.load)
     setting = replace(scenario(job.cell, job.policy, job.seed), gateways=job.gateways,
                       count_share=job.counting == "share")  # fmt: skip
-    summary = simulate(scaled(trace, rate * span / len(trace)), setting).summary()
+    summary = simulate(trace, setting).summary()
     return {"cell": job.cell.label, "load": job.load, "gateways": job.gateways, "counting": job.counting,
             "policy": job.policy, "seed": job.seed, **summary}  # fmt: skip
 
@@ -160,10 +160,7 @@ async def over_http(
     cell: Cell, gateways: int, requests: int, load: float, traces: Path, folder: Path
 ) -> dict[str, Any]:
     """One run through `gateways` gateway processes in front of simulated replicas (logs in `folder`)."""
-    trace = traffic(cell, traces / f"AzureLLMInferenceTrace_{cell.trace}.csv", requests, 0)
-    span = max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
-    rate = load * capacity_rps(PROFILES[cell.profile], cell.fleet, trace, cell.slo[1])
-    trace = scaled(trace, rate * span / len(trace))
+    trace = loaded(cell, trace_path(traces, cell), requests, 0, load)
     modes = [Pool.SPECULATIVE] * cell.fleet[0] + [Pool.PLAIN] * cell.fleet[1]
     sims = []
     procs = []

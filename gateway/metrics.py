@@ -202,7 +202,7 @@ class GatewayMetrics:
             f"request class (x-request-class; the first {MAX_CLASSES} seen, then 'other'; '-' without one).",
             ("kind", "outcome", "pool", "class"), registry=r,
         ))  # fmt: skip
-        self.classes: dict[str, str] = {}
+        self.classes: set[str] = set()
         self.ttft_error = _Children(Histogram(
             "specgate_ttft_prediction_error_seconds", "Predicted minus observed TTFT, per pool.",
             ("pool",), buckets=_ERROR_BUCKETS, registry=r,
@@ -250,12 +250,11 @@ class GatewayMetrics:
 
     def request_class(self, name: str) -> str:
         """The label of a request class: itself while few are known, else 'other'."""
-        label = self.classes.get(name)
-        if label is None:
-            label = name if len(self.classes) < MAX_CLASSES else "other"
-            if label == name:
-                self.classes[name] = name
-        return label
+        if name not in self.classes:
+            if len(self.classes) >= MAX_CLASSES:
+                return "other"
+            self.classes.add(name)
+        return name
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

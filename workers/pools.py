@@ -149,7 +149,7 @@ class Share:
         third, not at a third give or take the noise of the last half minute's requests."""
         if self.fleet < self.MIN_EVIDENCE or self.own >= self.fleet:
             return 1.0
-        return max(1.0 / max(round(self.fleet / max(self.own, 1e-9)), 1), self.FLOOR)
+        return max(1.0 / round(self.fleet / max(self.own, 1e-9)), self.FLOOR)  # the ratio is over 1 here
 
 
 def _sequence_steps(delta: SpecCounters, load: VllmLoad, previous: VllmLoad | None) -> float:
@@ -293,17 +293,23 @@ class Replica:
         shorter one when it sees more tokens (a burst, which the longer one is slow to follow)."""
         return max((r.per_s(now) for r in self._rates), key=lambda rates: rates[1])
 
-    def first_byte(self, prompt_tokens: int = 0, now: float | None = None, *, stream: bool = True) -> None:
+    def _prefilled(self, prompt_tokens: int) -> None:
         self.prefilling -= 1
         self.prefill_tokens -= prompt_tokens
+
+    def first_byte(self, prompt_tokens: int = 0, now: float | None = None, *, stream: bool = True) -> None:
+        self._prefilled(prompt_tokens)
         if stream:
             self.share.sent(time.monotonic() if now is None else now)
 
     def finished(self, *, got_first_byte: bool, prompt_tokens: int = 0, now: float | None = None) -> None:
         self._count(-1, now)
-        if not got_first_byte:
-            self.prefilling -= 1
-            self.prefill_tokens -= prompt_tokens
+        if not got_first_byte:  # no first token the share would count
+            self._prefilled(prompt_tokens)
+
+    def counted_share(self) -> float:
+        """What this gateway's own counts are divided by to be the fleet's (`Share`)."""
+        return self.share.value if self.settings.count_share else 1.0
 
     def observe(
         self,
@@ -330,7 +336,7 @@ class Replica:
             end = time.monotonic() if now is None else now
             if end > stay.sent:  # all the fleet's requests, as far as this gateway's share tells
                 in_flight = (self.request_seconds(end) - stay.request_seconds) / (end - stay.sent)
-                in_flight /= self.share.value if self.settings.count_share else 1.0
+                in_flight /= self.counted_share()
             # uncrowded at the scrape before it was sent, and at every one since
             steady = self.crowded_at < stay.sent - self.settings.scrape_interval_s
 
@@ -421,7 +427,7 @@ class Replica:
         # The fleet's requests on it, as far as this gateway can tell: its own over its share of
         # the fleet's work (`Share`; 1 when it is alone in front of the fleet).
         arrivals_per_s, prefill_tokens_per_s = self.prompt_rates(now)
-        share = self.share.value if self.settings.count_share else 1.0
+        share = self.counted_share()
         return ReplicaState(
             name=self.name,
             url=self.url,
