@@ -60,7 +60,7 @@ SLOS: tuple[dict[str, str], ...] = (
 """No targets, loose ones, and ones too tight for any replica (real-time milliseconds)."""
 IDLE_WAIT_S = 45.0
 """How long after the load the gateway has to let go of its connections and requests (its idle
-connections to the replicas close 15 to 30 s after their last use)."""
+connections to the replicas close 4 to 6 s after their last use)."""
 FLAT_RSS_GROWTH = 0.05
 """Memory is flat when the last tenth's median is within this fraction of the second tenth's."""
 
@@ -355,7 +355,7 @@ def report(figures: dict[str, Any], command: str, time_scale: float, rate: float
         f"{f['queued_after']:.0f} |",
         "",
         f"Idle after: sampled {f['idle_after_s']:.1f} s after the last answer (the gateway closes an idle "
-        "connection to a replica 15 to 30 s after its last use). Gateway CPU: "
+        "connection to a replica 4 to 6 s after its last use). Gateway CPU: "
         f"{f['gateway_cpu_ms_per_request']:.2f} ms per request (all kinds, streams included).",
         "",
     ]

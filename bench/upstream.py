@@ -3,7 +3,7 @@
 Not a model of vLLM (that is `specgate sim`): it answers at once, so every microsecond measured
 through the gateway is the gateway's. Non-streaming requests get a small fixed chat completion;
 streaming ones get `chunks` SSE chunks (64 by default) spaced `x-chunk-delay-ms` apart. It also
-answers `/metrics` with vLLM's load gauges so a gateway admits it.
+answers `/metrics` with vLLM's load gauges, `/health` and `/v1/models`, as vLLM does, so a gateway admits it.
 
     python -m specgate.bench.upstream --port 0
 """
@@ -57,14 +57,27 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return response
 
 
+_MODELS = orjson.dumps({"object": "list", "data": [{"id": "bench", "object": "model", "max_model_len": 4096}]})
+
+
 async def metrics(_: web.Request) -> web.Response:
     return web.Response(body=_METRICS, content_type="text/plain")
+
+
+async def health(_: web.Request) -> web.Response:
+    return web.Response()
+
+
+async def models(_: web.Request) -> web.Response:
+    return web.Response(body=_MODELS, content_type="application/json")
 
 
 def make_app() -> web.Application:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
     return app
 
 

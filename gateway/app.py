@@ -26,6 +26,7 @@ from specgate.gateway.admission import AdmissionControl
 from specgate.gateway.advisor import Advisor
 from specgate.gateway.clients import Clients, merged, parse_keys
 from specgate.gateway.config import GatewaySettings
+from specgate.gateway.connections import Connections
 from specgate.gateway.errors import SERVER, openai_errors
 from specgate.gateway.handlers import add_routes
 from specgate.gateway.metrics import GatewayMetrics
@@ -75,7 +76,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     )  # fmt: skip
     window = advisor.window if settings.advisor.enabled else None  # nothing to record for, off
     tracer = Tracer(settings.tracing, probes) if settings.tracing.otlp_url is not None else None
-    relay = Relay(settings, fleet, session, metrics, control, admission, clients, window, tracer)
+    connections = Connections(settings.timeouts.connect_s)
+    relay = Relay(settings, fleet, connections, session, metrics, control, admission, clients, window, tracer)
     metrics.advise(advisor)
     app[SESSION], app[FLEET], app[METRICS], app[RELAY], app[POLICY] = session, fleet, metrics, relay, control
     app[ADVISOR] = advisor
@@ -115,6 +117,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             await discovery.close()
         if store is not None:
             await store.close()
+        connections.close()
         await session.close()
         await probes.close()
         advisor.close()

@@ -24,6 +24,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from specgate.gateway.config import Timeouts
+from specgate.gateway.connections import ConnectFailed, Connections, UpstreamError, UpstreamResponse
 from specgate.gateway.continuation import ClientStream, Continuation, count_tokens, shutting_down
 from specgate.gateway.errors import GatewayError, UpstreamBusy, UpstreamTimeout, UpstreamUnavailable
 from specgate.gateway.journey import Journey, hop_by_hop
@@ -94,6 +95,7 @@ class Attempt:
         journey: Journey,
         replica: Replica,
         decision: Decision,
+        connections: Connections,
         session: aiohttp.ClientSession,
         timeouts: Timeouts,
         *,
@@ -103,7 +105,9 @@ class Attempt:
         self.journey = journey
         self.replica = replica
         self.decision = decision
+        self.connections = connections
         self.session = session
+        """For the replica's tokenizer, when a stream goes on from another replica's."""
         self.timeouts = timeouts
         self.last = last
         """No other replica will be tried: a 5xx goes to the client as it is."""
@@ -166,7 +170,7 @@ class Attempt:
             raise StreamBroke(stream, resumable=False)
         return body
 
-    async def _answer(self, upstream: aiohttp.ClientResponse, watchdog: Watchdog) -> web.StreamResponse:
+    async def _answer(self, upstream: UpstreamResponse, watchdog: Watchdog) -> web.StreamResponse:
         replica, status = self.replica, upstream.status
         if status >= 500:
             replica.failed(f"answered {status}")
@@ -187,12 +191,10 @@ class Attempt:
             return await self._stream(upstream, watchdog)
         return await self._whole(upstream, watchdog)
 
-    async def _send(self, body: bytes, watchdog: Watchdog) -> aiohttp.ClientResponse:
+    async def _send(self, body: bytes, watchdog: Watchdog) -> UpstreamResponse:
         replica, journey = self.replica, self.journey
         try:
-            return await self.session.post(
-                f"{replica.url}{journey.endpoint.value}", data=body, headers=journey.upstream_headers
-            )
+            return await self.connections.post(replica.url, journey.endpoint.value, body, journey.upstream_headers)
         except asyncio.CancelledError:
             if not watchdog.absorb():
                 raise
@@ -203,11 +205,11 @@ class Attempt:
             if self.last and self.resuming is None and not withdrawn:
                 raise error from None
             raise RetryElsewhere(error, withdrawn=withdrawn) from None
-        except aiohttp.ClientConnectorError as exc:
+        except ConnectFailed as exc:
             replica.failed(f"connect failed: {exc}", eject=True)
             raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} could not be reached")) from None
-        except aiohttp.ClientError as exc:
-            replica.failed(f"request failed: {exc!r}")
+        except UpstreamError as exc:
+            replica.failed(f"request failed: {exc}")
             raise RetryElsewhere(UpstreamUnavailable(f"replica {replica.name} failed before answering")) from None
 
     def _route_headers(self) -> dict[str, str]:
@@ -225,7 +227,7 @@ class Attempt:
             route["x-predicted-tpot-ms"] = f"{decision.predicted_tpot_ms:.1f}"
         return route
 
-    def _response_headers(self, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    def _response_headers(self, upstream: UpstreamResponse) -> CIMultiDict[str]:
         route = self._route_headers()
         dropped = hop_by_hop(upstream.headers) | {"date", "server"}
         out: CIMultiDict[str] = CIMultiDict()
@@ -237,7 +239,7 @@ class Attempt:
         out.update(route)
         return out
 
-    async def _whole(self, upstream: aiohttp.ClientResponse, watchdog: Watchdog) -> web.Response:
+    async def _whole(self, upstream: UpstreamResponse, watchdog: Watchdog) -> web.Response:
         """A whole answer, read before any of it goes out: whatever fails, nothing reached the
         client, so another replica may still serve the request."""
         replica = self.replica
@@ -245,7 +247,7 @@ class Attempt:
         parts: list[bytes] = []
         size = 0
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.iter_any():
                 watchdog.last = replica.received_at = time.monotonic()
                 parts.append(chunk)
                 size += len(chunk)
@@ -258,8 +260,8 @@ class Attempt:
                 raise
             replica.failed("response body stalled")
             error = UpstreamTimeout(f"replica {replica.name} stopped sending its answer")
-        except aiohttp.ClientError as exc:
-            replica.failed(f"answer broke: {exc!r}")
+        except UpstreamError as exc:
+            replica.failed(f"answer broke: {exc}")
             error = UpstreamUnavailable(f"replica {replica.name} failed while answering")
         body = b"".join(parts)
         if error is None and upstream.status == 200 and not _is_json(body):  # a replica that lies
@@ -273,7 +275,7 @@ class Attempt:
         self.outcome.generated = self.outcome.completion_tokens or 0
         return web.Response(status=upstream.status, body=body, headers=self._response_headers(upstream))
 
-    async def _client_stream(self, upstream: aiohttp.ClientResponse) -> ClientStream:
+    async def _client_stream(self, upstream: UpstreamResponse) -> ClientStream:
         if self.resuming is not None:
             self.stream = self.resuming[0]
         else:
@@ -282,7 +284,7 @@ class Attempt:
             self.stream = ClientStream(response)
         return self.stream
 
-    async def _stream(self, upstream: aiohttp.ClientResponse, watchdog: Watchdog) -> web.StreamResponse:
+    async def _stream(self, upstream: UpstreamResponse, watchdog: Watchdog) -> web.StreamResponse:
         stream = await self._client_stream(upstream)
         rewrite = self.resuming[1].rewrite if self.resuming is not None else None
         self.outcome.streamed = True
@@ -290,13 +292,12 @@ class Attempt:
         events = 0
         gaps: list[float] = []
         held = previous = last = b""
-        content = upstream.content
         try:
             while True:
                 try:
-                    chunk = await content.readany()
-                except aiohttp.ClientError as exc:
-                    self.replica.failed(f"stream broke: {exc!r}")
+                    chunk = await upstream.readany()
+                except UpstreamError as exc:
+                    self.replica.failed(f"stream broke: {exc}")
                     self.outcome.status = 502
                     raise StreamBroke(stream) from None
                 if not chunk:

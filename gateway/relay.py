@@ -28,6 +28,7 @@ from specgate.gateway.attempt import Attempt, RetryElsewhere, StreamBroke
 from specgate.gateway.body import parse_body
 from specgate.gateway.clients import Clients, check_rights
 from specgate.gateway.config import GatewaySettings
+from specgate.gateway.connections import Connections
 from specgate.gateway.continuation import SHUTDOWN, SHUTDOWN_ERROR, ClientStream, Continuation, resumable, shutting_down
 from specgate.gateway.errors import (
     BadBody,
@@ -73,6 +74,7 @@ class Relay:
         self,
         settings: GatewaySettings,
         fleet: Fleet,
+        connections: Connections,
         session: aiohttp.ClientSession,
         metrics: GatewayMetrics,
         plans: PlanSource,
@@ -83,6 +85,7 @@ class Relay:
     ) -> None:
         self.settings = settings
         self.fleet = fleet
+        self.connections = connections
         self.session = session
         self.metrics = metrics
         self.plans = plans
@@ -282,7 +285,14 @@ class Relay:
         last = number == retries.max_attempts - 1
         resuming = route.resuming()
         attempt = Attempt(
-            journey, replica, decision, self.session, self.settings.timeouts, last=last, resuming=resuming
+            journey,
+            replica,
+            decision,
+            self.connections,
+            self.session,
+            self.settings.timeouts,
+            last=last,
+            resuming=resuming,
         )
         try:
             response = await attempt.run()
