@@ -1,28 +1,41 @@
-"""What the gateway adds: the same load sent direct to an upstream and through the gateway, in one run.
+"""What a router adds over going direct: specgate, a bare aiohttp relay and, when installed,
+vllm-router (Rust), side by side in one run.
 
     specgate bench overhead [--seconds 5] [--out docs]
 
-The upstream is `specgate.bench.upstream` (answers at once), so the difference is the gateway's: routing
-decision, header and body handling, relay. On a machine with two or more cores the gateway is
-pinned to the last core and the upstream and this load generator to the first, as the peers'
-figures in PEERS.md were measured. The load generator is Python, so absolute request rates are
-bounded by it; the gateway's own CPU time per request (read from /proc) is the figure that does
-not depend on the generator. Figures and the exact command go to DIR/overhead.md and .json.
+Two fast fixed upstreams (`specgate.bench.upstream`, answering at once) stand for the two pools,
+one replica each: specgate routes over both with its default (adaptive) policy, vllm-router round
+robin; the bare relay forwards to one. Every microsecond measured is the router's. The routers run
+on the last core, the upstreams and the load generators on the first, as in PEERS.md.
+
+Throughput and CPU are measured with wrk (compiled; `apt-get install wrk`): 32 connections sending
+a small chat request, then 16 sending streamed ones of 64 chunks. The router's CPU time, read from
+/proc before and after, divided by what wrk counted, is the figure that does not depend on the load
+generator. Latency at a fixed rate (500 requests/s, from each request's scheduled send time) and
+the time to the first chunk of 256 and 8 concurrent streams come from an open-loop asyncio client,
+which keeps up at those rates. An answer other than a 200 is counted: a router that fails fast is
+not fast. Figures and the exact command go to DIR/overhead.md and .json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from pathlib import Path
+from statistics import median
 
 import aiohttp
 
@@ -31,6 +44,7 @@ from specgate.bench import upstream as upstream_server
 from specgate.workers import launch
 
 BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+JSON = {"content-type": "application/json"}
 STREAM_BODY = json.dumps(
     {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True}
 ).encode()
@@ -57,9 +71,11 @@ def rss_mb(pid: int) -> float:
 
 @dataclass
 class PathFigures:
-    """One path (direct or through the gateway) under each load."""
+    """One path (direct, or through a router) under each load."""
 
-    rps_closed_loop: float = 0.0
+    rps_wrk: float = 0.0
+    failed_wrk: int = 0
+    """Answers other than a 200, and socket errors, under wrk (both runs)."""
     p50_ms_at_rate: float = 0.0
     p99_ms_at_rate: float = 0.0
     errors_at_rate: int = 0
@@ -74,20 +90,36 @@ class PathFigures:
     router_rss_mb_256_streams: float | None = None
 
 
-async def closed_loop(session: aiohttp.ClientSession, url: str, workers: int, seconds: float) -> int:
-    done = 0
-    deadline = time.monotonic() + seconds
+WRK_SCRIPT = """wrk.method = "POST"
+wrk.body = '{body}'
+wrk.headers["Content-Type"] = "application/json"
+"""
+CHUNKS_PER_STREAM = 65
+"""SSE events relayed per streamed answer: 64 chunks and [DONE]."""
 
-    async def worker() -> None:
-        nonlocal done
-        while time.monotonic() < deadline:
-            async with session.post(url, data=BODY, headers={"content-type": "application/json"}) as r:
-                await r.read()
-                if r.status == 200:
-                    done += 1
 
-    await asyncio.gather(*(worker() for _ in range(workers)))
-    return done
+@dataclass(frozen=True)
+class Wrk:
+    """What one wrk run counted."""
+
+    requests: int
+    failed: int
+
+
+async def wrk(url: str, script: Path, connections: int, seconds: float, core: int) -> Wrk:
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "-s", str(script), url]
+    proc = await asyncio.create_subprocess_exec(*_pinned(argv, core), stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    requests = failed = 0
+    for line in out.decode().splitlines():
+        words = line.split()
+        if "requests in" in line:
+            requests = int(words[0])
+        elif line.strip().startswith("Non-2xx"):
+            failed += int(words[-1])
+        elif line.strip().startswith("Socket errors"):  # connect N, read N, write N, timeout N
+            failed += sum(int(w.rstrip(",")) for w in words[3::2])
+    return Wrk(requests, failed)
 
 
 async def fixed_rate(session: aiohttp.ClientSession, url: str, rate: float, seconds: float) -> tuple[list[float], int]:
@@ -103,7 +135,7 @@ async def fixed_rate(session: aiohttp.ClientSession, url: str, rate: float, seco
         nonlocal errors
         await asyncio.sleep(max(at - time.monotonic(), 0))
         try:
-            async with session.post(url, data=BODY, headers={"content-type": "application/json"}) as r:
+            async with session.post(url, data=BODY, headers=JSON) as r:
                 await r.read()
                 ok = r.status == 200
         except aiohttp.ClientError:
@@ -124,7 +156,7 @@ async def streams(
     chunks = 0
     ttfc: list[float] = []
     deadline = time.monotonic() + seconds
-    headers = {"content-type": "application/json", "x-chunk-delay-ms": str(delay_ms)}
+    headers = {**JSON, "x-chunk-delay-ms": str(delay_ms)}
 
     async def worker() -> None:
         nonlocal chunks
@@ -142,26 +174,67 @@ async def streams(
     return chunks, ttfc
 
 
-async def measure(base: str, seconds: float, router_pid: int | None) -> PathFigures:
-    url = f"{base}/v1/chat/completions"
-    fig = PathFigures()
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        await closed_loop(session, url, 8, 0.5)  # warm-up: connections, caches
-        if router_pid:
-            fig.router_rss_mb_idle = rss_mb(router_pid)
-        cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
-        done = await closed_loop(session, url, 32, seconds)
-        fig.rps_closed_loop = done / seconds
-        if router_pid and done:
-            fig.router_cpu_us_per_request = (cpu_seconds(router_pid) - cpu0) / done * 1e6
-        latencies, fig.errors_at_rate = await fixed_rate(session, url, 500, seconds)
-        fig.p50_ms_at_rate, fig.p99_ms_at_rate = pct(latencies, 0.5), pct(latencies, 0.99)
-        cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
-        chunks, _ = await streams(session, url, 16, seconds, 0)
-        fig.chunks_per_s = chunks / seconds
-        if router_pid and chunks:
-            fig.router_cpu_us_per_chunk = (cpu_seconds(router_pid) - cpu0) / chunks * 1e6
+@dataclass
+class _Rounds:
+    """One path's wrk figures, a value per round."""
+
+    rps: list[float] = field(default_factory=list)
+    cpu_us_per_request: list[float] = field(default_factory=list)
+    chunks_per_s: list[float] = field(default_factory=list)
+    cpu_us_per_chunk: list[float] = field(default_factory=list)
+    failed: int = 0
+
+
+async def under_wrk(url: str, seconds: float, router_pid: int | None, scripts: dict[str, Path], into: _Rounds) -> None:
+    """One round of wrk on one path: requests, then streams, and the router's CPU for each."""
+
+    def cpu() -> float:
+        return cpu_seconds(router_pid) if router_pid else 0.0
+
+    cpu0 = cpu()
+    run = await wrk(url, scripts["whole"], 32, seconds, 0)
+    into.rps.append(run.requests / seconds)
+    into.failed += run.failed
+    if router_pid and run.requests:
+        into.cpu_us_per_request.append((cpu() - cpu0) / run.requests * 1e6)
+    cpu0 = cpu()
+    run = await wrk(url, scripts["stream"], 16, seconds, 0)
+    chunks = run.requests * CHUNKS_PER_STREAM
+    into.chunks_per_s.append(chunks / seconds)
+    into.failed += run.failed
+    if router_pid and chunks:
+        into.cpu_us_per_chunk.append((cpu() - cpu0) / chunks * 1e6)
+
+
+async def measure(
+    paths: Sequence[tuple[str, str, int | None]], seconds: float, rounds: int, scripts: dict[str, Path]
+) -> dict[str, PathFigures]:
+    """Every path: rounds of wrk taking turns (the machine's noise falls on all alike; medians
+    reported), then the latencies, one path at a time."""
+    figures = {name: PathFigures() for name, _, _ in paths}
+    counted = {name: _Rounds() for name, _, _ in paths}
+    for name, base, pid in paths:
+        await wrk(f"{base}/v1/chat/completions", scripts["whole"], 32, 1, 0)  # warm-up: connections, caches
+        if pid:
+            figures[name].router_rss_mb_idle = rss_mb(pid)
+    for number in range(rounds):
+        for name, base, pid in paths:
+            print(f"round {number + 1}/{rounds}: {name} under wrk ...", file=sys.stderr, flush=True)
+            await under_wrk(f"{base}/v1/chat/completions", seconds, pid, scripts, counted[name])
+    for name, base, pid in paths:
+        fig, got = figures[name], counted[name]
+        fig.rps_wrk, fig.chunks_per_s, fig.failed_wrk = median(got.rps), median(got.chunks_per_s), got.failed
+        fig.router_cpu_us_per_request = median(got.cpu_us_per_request) if got.cpu_us_per_request else None
+        fig.router_cpu_us_per_chunk = median(got.cpu_us_per_chunk) if got.cpu_us_per_chunk else None
+        print(f"{name}: latencies ...", file=sys.stderr, flush=True)
+        await latencies(f"{base}/v1/chat/completions", seconds, pid, fig)
+    return figures
+
+
+async def latencies(url: str, seconds: float, router_pid: int | None, fig: PathFigures) -> None:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        at_rate, fig.errors_at_rate = await fixed_rate(session, url, 500, seconds)
+        fig.p50_ms_at_rate, fig.p99_ms_at_rate = pct(at_rate, 0.5), pct(at_rate, 0.99)
 
         async def sample_rss() -> None:
             await asyncio.sleep(seconds / 2)
@@ -172,45 +245,79 @@ async def measure(base: str, seconds: float, router_pid: int | None) -> PathFigu
         fig.ttfc_p50_ms_256, fig.ttfc_p99_ms_256 = pct(ttfc, 0.5), pct(ttfc, 0.99)
         _, ttfc = await streams(session, url, 8, seconds, 10)
         fig.ttfc_p50_ms_8, fig.ttfc_p99_ms_8 = pct(ttfc, 0.5), pct(ttfc, 0.99)
-    return fig
 
 
-def _pin(pid: int, core: int) -> None:
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
-        os.sched_setaffinity(pid, {core})
+def _pinned(argv: Sequence[str], core: int) -> list[str]:
+    """`argv` run on `core` only, threads included (on a machine with more than one)."""
+    if (os.cpu_count() or 1) > 1 and shutil.which("taskset"):
+        return ["taskset", "-c", str(core), *argv]
+    return list(argv)
 
 
-async def run(seconds: float, workdir: Path) -> dict[str, PathFigures]:
+async def _answering(url: str, proc: subprocess.Popen[bytes], log: Path, wait_s: float = 30.0) -> None:
+    """Until a chat request through `url` is answered 200 (for a router that does not print its URL)."""
+    deadline = time.monotonic() + wait_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.post(f"{url}/v1/chat/completions", data=BODY, headers=JSON) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise launch.LaunchError(f"the router did not answer: see {log}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def run(seconds: float, rounds: int, workdir: Path) -> dict[str, PathFigures]:
+    if not shutil.which("wrk"):
+        raise SystemExit("specgate bench overhead needs wrk: apt-get install wrk")
     last_core = (os.cpu_count() or 1) - 1
-    _pin(0, 0)
-    upstream_log = workdir / "upstream.log"
-    upstream = launch.spawn(launch.module_argv(upstream_server, "--port", "0"), upstream_log)
-    procs = [upstream]
+    if hasattr(os, "sched_setaffinity") and last_core:
+        os.sched_setaffinity(0, {0})
+    scripts = {}
+    for name, body in (("whole", BODY), ("stream", STREAM_BODY)):
+        scripts[name] = workdir / f"{name}.lua"
+        scripts[name].write_text(WRK_SCRIPT.format(body=body.decode()))
+    procs: list[subprocess.Popen[bytes]] = []
+
+    async def start(name: str, argv: Sequence[str], core: int) -> tuple[subprocess.Popen[bytes], str]:
+        log = workdir / f"{name}.log"
+        proc = launch.spawn(_pinned(argv, core), log)
+        procs.append(proc)
+        return proc, await launch.wait_ready(proc, log)
+
     try:
-        upstream_url = await launch.wait_ready(upstream, upstream_log)
-        _pin(upstream.pid, 0)
+        upstreams = [
+            await start(f"upstream-{i}", launch.module_argv(upstream_server, "--port", "0"), 0) for i in (1, 2)
+        ]
+        spec_url, plain_url = (url for _, url in upstreams)
         config = workdir / "specgate.toml"
-        config.write_text(f'[models]\nserved = ["bench"]\n[pools.plain]\nurls = ["{upstream_url}"]\n')
-        gateway_log = workdir / "gateway.log"
-        gateway = launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0"), gateway_log)
-        procs.append(gateway)
-        gateway_url = await launch.wait_ready(gateway, gateway_log)
-        _pin(gateway.pid, last_core)
-        bare_log = workdir / "bare.log"
-        bare = launch.spawn(launch.module_argv(bare_relay, "--upstream", upstream_url), bare_log)
-        procs.append(bare)
-        bare_url = await launch.wait_ready(bare, bare_log)
-        _pin(bare.pid, last_core)
-        results = {}
-        paths = (
-            ("direct", upstream_url, None),
-            ("bare relay", bare_url, bare.pid),
-            ("gateway", gateway_url, gateway.pid),
+        config.write_text(
+            f'[models]\nserved = ["bench"]\n[pools.speculative]\nurls = ["{spec_url}"]\n'
+            f'[pools.plain]\nurls = ["{plain_url}"]\n'
         )
-        for name, base, pid in paths:
-            print(f"measuring {name} ...", file=sys.stderr, flush=True)
-            results[name] = await measure(base, seconds, pid)
-        return results
+        gateway, gateway_url = await start(
+            "gateway", launch.specgate_argv("serve", "--config", str(config), "--port", "0"), last_core
+        )
+        bare, bare_url = await start("bare", launch.module_argv(bare_relay, "--upstream", plain_url), last_core)
+        paths: list[tuple[str, str, int | None]] = [
+            ("direct", plain_url, None), ("bare relay", bare_url, bare.pid), ("specgate", gateway_url, gateway.pid)
+        ]  # fmt: skip
+        if router := shutil.which("vllm-router"):
+            port, log = _free_port(), workdir / "vllm-router.log"
+            argv = [router, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+                    "--worker-urls", spec_url, plain_url]  # fmt: skip
+            proc = launch.spawn(_pinned(argv, last_core), log)
+            procs.append(proc)
+            await _answering(f"http://127.0.0.1:{port}", proc, log)
+            paths.append(("vllm-router", f"http://127.0.0.1:{port}", proc.pid))
+        return await measure(paths, seconds, rounds, scripts)
     finally:
         await asyncio.gather(*(launch.terminate(p) for p in procs))
 
@@ -219,9 +326,10 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def report(results: dict[str, PathFigures], seconds: float, command: str) -> str:
-    d, b, g = results["direct"], results["bare relay"], results["gateway"]
-    paths = (d, b, g)
+def report(results: dict[str, PathFigures], seconds: float, rounds: int, command: str) -> str:
+    names = list(results)
+    paths = [results[n] for n in names]
+    d, g = results["direct"], results["specgate"]
 
     def row(label: str, values: list[str], adds: str = "") -> str:
         return f"| {label} | {' | '.join(values)} | {adds} |"
@@ -229,57 +337,65 @@ def report(results: dict[str, PathFigures], seconds: float, command: str) -> str
     def per_core(cpu: float | None) -> str:
         return "-" if not cpu else f"{cpu:.0f} us (~{1e6 / cpu:,.0f}/s per core)"
 
+    def rss(p: PathFigures) -> str:
+        return (
+            "-"
+            if p.router_rss_mb_idle is None
+            else (f"{_num(p.router_rss_mb_idle, '.0f')} -> {_num(p.router_rss_mb_256_streams, '.0f')}")
+        )
+
+    def ms(label: str, field: str) -> str:
+        value = attrgetter(field)
+        return row(label, [f"{value(p):.2f}" for p in paths], f"{value(g) - value(d):+.2f} ms")
+
     lines = [
-        "# Gateway overhead",
+        "# Router overhead",
         "",
         f"Measured by `{command}` on {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}; {seconds:g} s per measurement, all paths in one run. The upstream "
-        "(`specgate.bench.upstream`) answers at once. The load generator (Python) shares the first core with the "
-        "upstream; the relays run on the last core. `bare relay` (`specgate.bench.bare_relay`) is the simplest "
-        "aiohttp relay, the yardstick for what Python and aiohttp cost before any routing work. The "
-        "machine is shared and noisy: read ratios and medians.",
+        f"{platform.python_version()}; {seconds:g} s per measurement, every path in one run, wrk figures the median of "
+        f"{rounds} rounds taking turns. Two upstreams "
+        "(`specgate.bench.upstream`) answer at once, one per pool; specgate routes over both with its adaptive "
+        "policy, vllm-router round robin, the bare relay (`specgate.bench.bare_relay`, the simplest aiohttp relay) "
+        "forwards to one. Routers on the last core; upstreams and load generators on the first. Throughput and CPU "
+        "under wrk (32 connections; streams: 16, 64 chunks each); CPU per request or per SSE event relayed from "
+        "/proc. Fixed-rate latency and first chunks from an open-loop asyncio client. The machine is shared and "
+        "noisy: compare within a run.",
         "",
-        "| measure | direct | bare relay | gateway | gateway adds over direct |",
-        "|---|---|---|---|---|",
-        row("non-stream req/s, 32 connections (bounded by the Python client)",
-            [f"{p.rps_closed_loop:,.0f}" for p in paths], f"{g.rps_closed_loop / d.rps_closed_loop:.2f}x"),
-        row("relay CPU per non-stream request", ["-", per_core(b.router_cpu_us_per_request),
-            per_core(g.router_cpu_us_per_request)]),
-        row("latency at 500 req/s, p50 ms", [f"{p.p50_ms_at_rate:.2f}" for p in paths],
-            f"+{g.p50_ms_at_rate - d.p50_ms_at_rate:.2f} ms"),
-        row("latency at 500 req/s, p99 ms", [f"{p.p99_ms_at_rate:.2f}" for p in paths],
-            f"+{g.p99_ms_at_rate - d.p99_ms_at_rate:.2f} ms"),
-        row("failed requests at 500 req/s", [str(p.errors_at_rate) for p in paths]),
-        row("chunks/s, 64-chunk streams, 16 at a time", [f"{p.chunks_per_s:,.0f}" for p in paths],
+        f"| measure | {' | '.join(names)} | specgate over direct |",
+        "|---|" + "---|" * (len(names) + 1),
+        row("router CPU per non-streamed request", [per_core(p.router_cpu_us_per_request) for p in paths]),
+        row("router CPU per streamed chunk", [_num(p.router_cpu_us_per_chunk, ".1f") + " us" for p in paths]),
+        row("requests/s under wrk, 32 connections", [f"{p.rps_wrk:,.0f}" for p in paths],
+            f"{g.rps_wrk / d.rps_wrk:.2f}x"),
+        row("chunks/s under wrk, 16 streams", [f"{p.chunks_per_s:,.0f}" for p in paths],
             f"{g.chunks_per_s / d.chunks_per_s:.2f}x"),
-        row("relay CPU per streamed chunk", ["-", _num(b.router_cpu_us_per_chunk, ".1f") + " us",
-            _num(g.router_cpu_us_per_chunk, ".1f") + " us"]),
-        row("first chunk, 256 streams, 10 ms apart: p50 ms", [f"{p.ttfc_p50_ms_256:.2f}" for p in paths],
-            f"+{g.ttfc_p50_ms_256 - d.ttfc_p50_ms_256:.2f} ms"),
-        row("first chunk, 256 streams: p99 ms", [f"{p.ttfc_p99_ms_256:.2f}" for p in paths],
-            f"+{g.ttfc_p99_ms_256 - d.ttfc_p99_ms_256:.2f} ms"),
-        row("first chunk, 8 streams: p50 ms", [f"{p.ttfc_p50_ms_8:.2f}" for p in paths],
-            f"+{g.ttfc_p50_ms_8 - d.ttfc_p50_ms_8:.2f} ms"),
-        row("first chunk, 8 streams: p99 ms", [f"{p.ttfc_p99_ms_8:.2f}" for p in paths],
-            f"+{g.ttfc_p99_ms_8 - d.ttfc_p99_ms_8:.2f} ms"),
-        row("relay RSS MB, idle -> under 256 streams", ["-"] + [
-            f"{_num(p.router_rss_mb_idle, '.0f')} -> {_num(p.router_rss_mb_256_streams, '.0f')}" for p in (b, g)]),
+        row("answers other than 200 under wrk", [str(p.failed_wrk) for p in paths]),
+        ms("latency at 500 req/s, p50 ms", "p50_ms_at_rate"),
+        ms("latency at 500 req/s, p99 ms", "p99_ms_at_rate"),
+        row("failed requests at 500 req/s", [str(p.errors_at_rate) for p in paths]),
+        ms("first chunk, 256 streams, 10 ms apart: p50 ms", "ttfc_p50_ms_256"),
+        ms("first chunk, 256 streams: p99 ms", "ttfc_p99_ms_256"),
+        ms("first chunk, 8 streams: p50 ms", "ttfc_p50_ms_8"),
+        ms("first chunk, 8 streams: p99 ms", "ttfc_p99_ms_8"),
+        row("router RSS MB, idle -> under 256 streams", [rss(p) for p in paths]),
         "",
     ]  # fmt: skip
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "specgate bench overhead") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description="gateway overhead: direct vs. through the gateway")
+    parser = argparse.ArgumentParser(prog=prog, description="router overhead: direct, specgate and other routers")
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of wrk per path, taking turns (medians)")
     parser.add_argument("--out", type=Path, default=Path("docs"))
     args = parser.parse_args(argv)
     command = prog + (f" --seconds {args.seconds:g}" if args.seconds != 5.0 else "")
+    command += f" --rounds {args.rounds}" if args.rounds != 3 else ""
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="specgate-bench-") as workdir:
-        results = uvloop.run(run(args.seconds, Path(workdir)))
-    text = report(results, args.seconds, command)
+        results = uvloop.run(run(args.seconds, args.rounds, Path(workdir)))
+    text = report(results, args.seconds, args.rounds, command)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.md").write_text(text)
     (args.out / "overhead.json").write_text(json.dumps({k: asdict(v) for k, v in results.items()}, indent=2))

@@ -105,6 +105,9 @@ class LatencyModel:
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
     """Step times already priced: a pure function's results, kept to save the arithmetic."""
+    _terms_memo: dict[tuple[Pool, int, int, int], Vector] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def expected_output(self, features: RequestFeatures) -> int:
         if features.expected_output_tokens is not None:
@@ -159,11 +162,18 @@ class LatencyModel:
     def _terms(self, pool: Pool, decode_seqs: int, context: float, prefill_tokens: int = 0) -> Vector:
         """One step as the profile prices it, split into its fixed part (a step of one sequence at
         no context), what its decoding sequences and their contexts add, and what its prompt
-        tokens add: the terms the fleet's answers scale (`workers/latency_fit.py`)."""
-        fixed = self.step_ms(pool, 1, 0)
-        decode = self.step_ms(pool, decode_seqs, context)
-        full = self.step_ms(pool, decode_seqs, context, prefill_tokens) if prefill_tokens else decode
-        return fixed, decode - fixed, full - decode
+        tokens add: the terms the fleet's answers scale (`workers/latency_fit.py`). Kept by the
+        same rounded key as `step_ms`: a prediction needs five, for every request and replica."""
+        key = (pool, decode_seqs, round(context / CONTEXT_QUANTUM), -(-prefill_tokens // CONTEXT_QUANTUM))
+        terms = self._terms_memo.get(key)
+        if terms is None:
+            fixed = self.step_ms(pool, 1, 0)
+            decode = self.step_ms(pool, decode_seqs, context)
+            full = self.step_ms(pool, decode_seqs, context, prefill_tokens) if prefill_tokens else decode
+            if len(self._terms_memo) >= MEMO_SIZE:
+                self._terms_memo.clear()
+            terms = self._terms_memo[key] = (fixed, decode - fixed, full - decode)
+        return terms
 
     def fitted_step_ms(
         self, pool: Pool, scales: Scales, decode_seqs: int, context: float, prefill_tokens: int = 0
@@ -318,4 +328,6 @@ def _poisson_cdf(k: int, mean: float) -> float:
     for i in range(1, min(k, 1000) + 1):
         term *= mean / i
         cumulative += term
+        if term < 1e-17 and i > 2 * mean:  # the terms left halve at least each step: they add < 2e-17
+            break
     return min(cumulative, 1.0)
