@@ -25,6 +25,7 @@ from specgate.workers.acceptance import SpecCounters, decode_steps
 from specgate.workers.health import Health
 from specgate.workers.latency_fit import LatencyFit, Priced
 from specgate.workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
+from specgate.workers.shared import Others, SharedCounts, SharedSlot
 from specgate.workers.snapshot import ReplicaState, Snapshot
 
 _log = logging.getLogger(__name__)
@@ -131,10 +132,11 @@ class Share:
         keep = math.exp(-max(now - self.at, 0.0) / self.window_s)
         self.own, self.fleet, self.at = self.own * keep, self.fleet * keep, max(now, self.at)
 
-    def sent(self, now: float) -> None:
-        """One of this gateway's requests reached its first token (or, not streamed, was sent)."""
+    def sent(self, now: float, requests: float = 1.0) -> None:
+        """One of this gateway's requests reached its first token (or, not streamed, was sent);
+        or, told by a scrape, `requests` of its other processes' did."""
         self._decay(now)
-        self.own += 1.0
+        self.own += requests
 
     def processed(self, requests: float, now: float) -> None:
         """A scrape showed a replica's count of first tokens grow by `requests`."""
@@ -212,6 +214,11 @@ class Replica:
         self.prefilling = 0
         self.prefill_tokens = 0
         self.dispatched = 0
+        self.sent = 0
+        """Of those, the ones counted in this gateway's share (`Share.sent`)."""
+        self.shared: SharedSlot | None = None
+        """Its counts as this gateway's other processes publish theirs (`workers/shared.py`)."""
+        self._others_sent = 0.0
         self.load: VllmLoad | None = None
         self.max_model_len: int | None = None
         """The context window the replica's /v1/models reports, read when it is admitted."""
@@ -226,7 +233,7 @@ class Replica:
         self.share = share if share is not None else Share(settings.share_window_s)
         """This gateway's share of the fleet's work (the fleet's, shared by all its replicas)."""
         self._rates = (_Rate(self.settings.rate_window_s), _Rate(self.settings.burst_window_s))
-        self._dispatched_at_scrape = 0
+        self._dispatched_at_scrape = 0.0
         self._last_spec: SpecCounters | None = None
         self._progress: tuple[float, float] = (-1.0, 0.0)
         """The token counters' last sum, and when it last moved."""
@@ -279,6 +286,7 @@ class Replica:
         at = time.monotonic() if now is None else now
         if not stream:
             self.share.sent(at)
+            self.sent += 1
         self.dispatched += 1
         self._count(1, at)
         self.prefilling += 1
@@ -286,12 +294,32 @@ class Replica:
         if now is not None:
             for rate in self._rates:
                 rate.add(prompt_tokens, now)
+        self._publish()
         return Stay(at, self.request_seconds(at))
 
-    def prompt_rates(self, now: float) -> tuple[float, float]:
-        """Prompts and prompt tokens sent per second lately: over the longer window, or over the
-        shorter one when it sees more tokens (a burst, which the longer one is slow to follow)."""
-        return max((r.per_s(now) for r in self._rates), key=lambda rates: rates[1])
+    def _publish(self) -> None:
+        if self.shared is not None:
+            rates = tuple((r.prompts, r.tokens, r.at) for r in self._rates)
+            self.shared.publish(self.in_flight, self.prefilling, self.prefill_tokens, self.dispatched, self.sent, rates)
+
+    def _others(self, now: float) -> Others | None:
+        if self.shared is None:
+            return None
+        return self.shared.others(now, (self.settings.rate_window_s, self.settings.burst_window_s))
+
+    def dispatched_by_gateway(self, now: float) -> float:
+        """Requests this gateway (all its processes) has sent it, all told."""
+        others = self._others(now)
+        return self.dispatched + (others.dispatched if others is not None else 0.0)
+
+    def prompt_rates(self, now: float, others: Others | None = None) -> tuple[float, float]:
+        """Prompts and prompt tokens sent per second lately (with `others`, this gateway's other
+        processes' too): over the longer window, or over the shorter one when it sees more tokens
+        (a burst, which the longer one is slow to follow)."""
+        rates = [r.per_s(now) for r in self._rates]
+        if others is not None:
+            rates = [(own[0] + more[0], own[1] + more[1]) for own, more in zip(rates, others.rates, strict=True)]
+        return max(rates, key=lambda rate: rate[1])
 
     def _prefilled(self, prompt_tokens: int) -> None:
         self.prefilling -= 1
@@ -301,11 +329,14 @@ class Replica:
         self._prefilled(prompt_tokens)
         if stream:
             self.share.sent(time.monotonic() if now is None else now)
+            self.sent += 1
+        self._publish()
 
     def finished(self, *, got_first_byte: bool, prompt_tokens: int = 0, now: float | None = None) -> None:
         self._count(-1, now)
         if not got_first_byte:  # no first token the share would count
             self._prefilled(prompt_tokens)
+        self._publish()
 
     def counted_share(self) -> float:
         """What this gateway's own counts are divided by to be the fleet's (`Share`)."""
@@ -381,7 +412,7 @@ class Replica:
         if self.health.scrape_failed(time.monotonic() if now is None else now, reason):
             self._ejected()
 
-    def scraped(self, load: VllmLoad, now: float, dispatched_at_send: int) -> None:
+    def scraped(self, load: VllmLoad, now: float, dispatched_at_send: float) -> None:
         self.health.scrape_succeeded(now)
         self._check_progress(load, now)
         previous, self.load = self.load, load
@@ -396,6 +427,10 @@ class Replica:
         if queued or (load.kv_usage or 0.0) >= KV_CROWDED:
             self.crowded_at = now
         self._dispatched_at_scrape = dispatched_at_send
+        others = self._others(now)
+        if others is not None and others.sent > self._others_sent:  # the other processes' requests, in the share
+            self.share.sent(now, others.sent - self._others_sent)
+            self._others_sent = others.sent
         if load.spec is not None:
             if self._last_spec is not None:
                 delta = load.spec - self._last_spec
@@ -424,21 +459,29 @@ class Replica:
         load = self.load
         age = (now - self.scraped_at) if self.scraped_at is not None else None
         fresh = load is not None and age is not None and age <= self.settings.stale_after_s
-        # The fleet's requests on it, as far as this gateway can tell: its own over its share of
-        # the fleet's work (`Share`; 1 when it is alone in front of the fleet).
-        arrivals_per_s, prefill_tokens_per_s = self.prompt_rates(now)
+        # The fleet's requests on it, as far as this gateway can tell: its own (all its processes')
+        # over its share of the fleet's work (`Share`; 1 when it is alone in front of the fleet).
+        others = self._others(now)
+        arrivals_per_s, prefill_tokens_per_s = self.prompt_rates(now, others)
+        in_flight, prefilling = float(self.in_flight), float(self.prefilling)
+        prefill_tokens, dispatched = float(self.prefill_tokens), self.dispatched - self._dispatched_at_scrape
+        if others is not None:
+            in_flight += others.in_flight
+            prefilling += others.prefilling
+            prefill_tokens += others.prefill_tokens
+            dispatched += others.dispatched
         share = self.counted_share()
         return ReplicaState(
             name=self.name,
             url=self.url,
             pool=self.pool,
             healthy=self.available(now) and not self.drained,
-            in_flight=round(self.in_flight / share),
-            prefilling=round(self.prefilling / share),
-            prefill_tokens=round(self.prefill_tokens / share),
+            in_flight=round(in_flight / share),
+            prefilling=round(prefilling / share),
+            prefill_tokens=round(prefill_tokens / share),
             prefill_tokens_per_s=prefill_tokens_per_s / share,
             arrivals_per_s=arrivals_per_s / share,
-            dispatched_since_scrape=round((self.dispatched - self._dispatched_at_scrape) / share),
+            dispatched_since_scrape=round(dispatched / share),
             running=load.running if fresh and load else None,
             waiting=load.waiting if fresh and load else None,
             kv_usage=load.kv_usage if fresh and load else None,
@@ -478,8 +521,12 @@ _PREFIX = {Pool.SPECULATIVE: "spec", Pool.PLAIN: "plain"}
 class Fleet:
     """Every replica of both pools, by name."""
 
-    def __init__(self, pools: dict[Pool, list[str]], settings: FleetSettings) -> None:
+    def __init__(
+        self, pools: dict[Pool, list[str]], settings: FleetSettings, shared: SharedCounts | None = None
+    ) -> None:
         self.settings = settings
+        self.shared = shared
+        """Where this gateway's processes count their requests (`workers/shared.py`); None alone."""
         self.replicas: dict[str, Replica] = {}
         self.share = Share(settings.share_window_s)
         """This gateway's share of the work the fleet does (1 alone in front of it)."""
@@ -499,6 +546,8 @@ class Fleet:
         name = f"{_PREFIX[pool]}-{self._named[pool]}"
         self._named[pool] += 1
         replica = self.replicas[name] = Replica(name, url, pool, self.settings, self.fits[pool], self.share)
+        if self.shared is not None:
+            replica.shared = self.shared.slot(replica.url)
         return replica
 
     def arrange(self, pools: Mapping[str, Pool], drained: Collection[str]) -> None:
@@ -540,6 +589,8 @@ class Fleet:
         removed = [r for r in self.replicas.values() if r.retired and r.in_flight == 0]
         for replica in removed:
             del self.replicas[replica.name]
+            if replica.shared is not None:
+                replica.shared.release()
         return joined, removed
 
     def snapshot(self, now: float, profile: str | None = None) -> Snapshot:
@@ -573,7 +624,7 @@ class Fleet:
         return any(r.healthy for r in self.replicas.values())
 
     async def scrape_once(self, session: aiohttp.ClientSession, replica: Replica) -> None:
-        dispatched = replica.dispatched
+        dispatched = replica.dispatched_by_gateway(time.monotonic())
         timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
         try:
             text, _ = await asyncio.gather(

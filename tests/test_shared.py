@@ -1,0 +1,132 @@
+"""One gateway's processes counting each other's requests through the shared file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specgate.calibration.modes import Pool
+from specgate.workers.pools import Fleet, FleetSettings, Replica
+from specgate.workers.scrape import VllmLoad
+from specgate.workers.shared import SLOTS, SharedCounts
+
+SETTINGS = FleetSettings()
+A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+
+
+@pytest.fixture
+def counts_file(tmp_path: Path) -> Path:
+    return SharedCounts.create(3, tmp_path)
+
+
+def fleets(path: Path, processes: int = 2) -> list[Fleet]:
+    """One fleet per process, each naming the replicas in its own order."""
+    made = []
+    for index in range(processes):
+        urls = [A, B] if index % 2 == 0 else [B, A]
+        made.append(Fleet({Pool.PLAIN: urls}, SETTINGS, SharedCounts(path, processes, index)))
+    return made
+
+
+def scrape(fleet: Fleet, now: float, first_tokens_on_a: float = 0.0) -> None:
+    for replica in fleet.replicas.values():
+        load = VllmLoad(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None, first_tokens_on_a if replica.url == A else 0.0)
+        replica.scraped(load, now, replica.dispatched_by_gateway(now))
+
+
+def state(fleet: Fleet, url: str, now: float) -> dict[str, float]:
+    (replica,) = (r for r in fleet.snapshot(now).replicas if r.url == url)
+    return {
+        "in_flight": replica.in_flight,
+        "prefilling": replica.prefilling,
+        "prefill_tokens": replica.prefill_tokens,
+        "dispatched": replica.dispatched_since_scrape,
+        "arrivals_per_s": replica.arrivals_per_s,
+    }
+
+
+def by_url(fleet: Fleet, url: str) -> Replica:
+    return next(r for r in fleet.replicas.values() if r.url == url)
+
+
+def test_each_process_sees_the_others_requests_as_its_own(counts_file: Path) -> None:
+    first, second = fleets(counts_file)
+    scrape(first, 100.0)
+    scrape(second, 100.0)
+    on_a = by_url(first, A)
+    on_a.dispatched_one(500, now=100.0)
+    on_a.dispatched_one(300, now=100.0)
+    seen = state(second, A, 100.0)
+    assert (seen["in_flight"], seen["prefilling"], seen["prefill_tokens"]) == (2, 2, 800)
+    assert seen["dispatched"] == 2  # since the last scrape, though another process sent them
+    assert seen["arrivals_per_s"] == pytest.approx(state(first, A, 100.0)["arrivals_per_s"])
+    assert state(second, B, 100.0)["in_flight"] == 0  # the other replica: nothing
+    on_a.first_byte(500, now=100.1)
+    assert state(second, A, 100.1)["prefilling"] == 1
+    on_a.finished(got_first_byte=True, prompt_tokens=500, now=100.2)
+    on_a.finished(got_first_byte=False, prompt_tokens=300, now=100.2)
+    assert state(second, A, 100.2) | {"arrivals_per_s": 0} == {
+        "in_flight": 0, "prefilling": 0, "prefill_tokens": 0, "dispatched": 2, "arrivals_per_s": 0,
+    }  # fmt: skip
+    scrape(second, 100.3)
+    assert state(second, A, 100.3)["dispatched"] == 0  # a scrape after them shows them
+
+
+def test_a_gateway_of_several_processes_alone_keeps_a_share_of_one(counts_file: Path) -> None:
+    """Its processes' first tokens together are the fleet's: counting the others' in the share keeps it
+    at 1, where each process counting only its own would think itself one gateway of three."""
+    made = fleets(counts_file, 3)
+    now, first_tokens = 0.0, 0.0
+    for step in range(60):
+        now = float(step)
+        for fleet in made:
+            replica = by_url(fleet, A)
+            replica.dispatched_one(100, now=now)
+            replica.first_byte(100, now=now)
+            replica.finished(got_first_byte=True, prompt_tokens=100, now=now)
+        first_tokens += 3
+        for fleet in made:
+            scrape(fleet, now + 0.5, first_tokens)
+    assert [fleet.share.value for fleet in made] == [1.0, 1.0, 1.0]
+
+
+def test_a_freed_slot_taken_by_another_replica_is_not_mistaken_for_the_old_one(counts_file: Path) -> None:
+    first, second = fleets(counts_file)
+    scrape(second, 0.0)
+    on_a = by_url(first, A)
+    on_a.dispatched_one(10, now=0.0)
+    assert state(second, A, 0.0)["in_flight"] == 1
+    on_a.finished(got_first_byte=False, prompt_tokens=10, now=0.0)
+    first.reconcile({Pool.PLAIN: [B]})  # A no longer found: idle, so removed at once
+    assert A not in {r.url for r in first.replicas.values()}
+    first.reconcile({Pool.PLAIN: [B, "http://10.0.0.3:8000"]})  # a newcomer takes a free slot
+    newcomer = next(r for r in first.replicas.values() if r.url.endswith("10.0.0.3:8000"))
+    newcomer.dispatched_one(10, now=0.0)
+    assert state(second, A, 5.0)["in_flight"] == 0
+
+
+def test_a_row_holds_its_slots_and_no_more(tmp_path: Path) -> None:
+    counts = SharedCounts(SharedCounts.create(1, tmp_path), 1, 0)
+    for i in range(SLOTS):
+        counts.slot(f"http://10.1.{i // 256}.{i % 256}:8000")
+    assert counts.slot("http://10.1.0.0:8000").base == 0  # one it has: found, not taken again
+    with pytest.raises(RuntimeError, match="replicas to share"):
+        counts.slot("http://10.9.9.9:8000")
+
+
+def test_counts_cross_real_processes(counts_file: Path) -> None:
+    """Another process maps the same file and publishes: this one reads it."""
+    (reader,) = fleets(counts_file, 2)[1:]
+    scrape(reader, 0.0)
+    program = (
+        "import sys, pathlib; from specgate.calibration.modes import Pool; "
+        "from specgate.workers.pools import Fleet, FleetSettings; from specgate.workers.shared import SharedCounts; "
+        f"counts = SharedCounts(pathlib.Path(sys.argv[1]), 2, 0); f = Fleet({{Pool.PLAIN: ['{A}']}}, FleetSettings(), "
+        "counts); r = next(iter(f.replicas.values())); [r.dispatched_one(64, now=1.0) for _ in range(3)]"
+    )
+    subprocess.run([sys.executable, "-c", program, str(counts_file)], check=True, timeout=60)
+    assert state(reader, A, 1.0)["in_flight"] == 3
+    assert state(reader, A, 1.0)["prefill_tokens"] == 192

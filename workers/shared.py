@@ -1,0 +1,172 @@
+"""One gateway's request counts per replica, shared by its processes (`specgate serve --workers N`).
+
+Each process of the gateway sends requests to the same replicas and must count the others' as it
+counts its own: between two scrapes a replica's load is what the gateway sent there, and N
+processes each blind to the others would pile onto the replica that looked idle at the last one.
+So each process publishes, per replica, what it has in flight there, what of that is still
+prefilling, its dispatch and first-token counts and its prompt rates, in a row of a small
+memory-mapped file that every process of the gateway maps; a process reads the others' rows when
+it takes its snapshot. No locks: each row has one writer, every field is one aligned 8-byte word,
+and a read that straddles a write sees one request's change a little early or late.
+
+A replica is found in another process's row by a hash of its URL: processes name replicas in the
+order they find them, which need not agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import mmap
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SLOTS = 256
+"""Replicas one process can publish at once."""
+FIELDS = 12
+# The fields of a slot, in 8-byte words: its key (a signed 64-bit hash of the URL, 0 when free),
+# then floats.
+_KEY, _IN_FLIGHT, _PREFILLING, _PREFILL_TOKENS, _DISPATCHED, _SENT = range(6)
+_RATES = 6
+"""Two decaying rates (window, burst) of three words each: prompts, tokens, and when they were last added to."""
+RESCAN_S = 1.0
+"""How long a process that does not publish a replica (yet) is left unsearched for it."""
+
+
+def url_key(url: str) -> int:
+    key = int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "little", signed=True)
+    return key or 1
+
+
+@dataclass
+class Others:
+    """The other processes' counts on one replica, summed."""
+
+    in_flight: float = 0.0
+    prefilling: float = 0.0
+    prefill_tokens: float = 0.0
+    dispatched: float = 0.0
+    sent: float = 0.0
+    rates: tuple[tuple[float, float], ...] = ()
+    """Per rate window, prompts and prompt tokens a second."""
+
+
+class SharedCounts:
+    """The mapped file: `processes` rows of `SLOTS` slots. Made once by the supervisor (`create`),
+    opened by each process (`open`)."""
+
+    def __init__(self, path: Path, processes: int, index: int) -> None:
+        self.path = path
+        self.processes = processes
+        self.index = index
+        """This process's row."""
+        size = processes * SLOTS * FIELDS * 8
+        with path.open("r+b") as file:
+            self._map = mmap.mmap(file.fileno(), size)
+        self.words = memoryview(self._map).cast("d")
+        self.keys = memoryview(self._map).cast("q")
+
+    @staticmethod
+    def create(processes: int, directory: Path | None = None) -> Path:
+        """A zeroed file for `processes` rows, in shared memory where there is one; the caller removes it."""
+        if directory is None:
+            shm = Path("/dev/shm")
+            directory = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+        fd, name = tempfile.mkstemp(prefix="specgate-counts-", dir=directory)
+        with os.fdopen(fd, "wb") as file:
+            file.truncate(processes * SLOTS * FIELDS * 8)
+        return Path(name)
+
+    def slot(self, url: str) -> SharedSlot:
+        """This process's slot for the replica at `url` (taken, zeroed, if it has none)."""
+        key = url_key(url)
+        row = self.index * SLOTS
+        free = None
+        for slot in range(row, row + SLOTS):
+            if self.keys[slot * FIELDS] == key:
+                return SharedSlot(self, key, slot)
+            if free is None and self.keys[slot * FIELDS] == 0:
+                free = slot
+        if free is None:
+            raise RuntimeError(f"more than {SLOTS} replicas to share counts of")
+        base = free * FIELDS
+        for field in range(1, FIELDS):
+            self.words[base + field] = 0.0
+        self.keys[base] = key  # last: a reader finds it only once it is zeroed
+        return SharedSlot(self, key, free)
+
+    def find(self, process: int, key: int) -> int | None:
+        row = process * SLOTS
+        for slot in range(row, row + SLOTS):
+            if self.keys[slot * FIELDS] == key:
+                return slot
+        return None
+
+    def close(self) -> None:
+        self.words.release()
+        self.keys.release()
+        self._map.close()
+
+
+class SharedSlot:
+    """One replica's slot in this process's row, and where the other processes keep theirs."""
+
+    def __init__(self, counts: SharedCounts, key: int, slot: int) -> None:
+        self.counts = counts
+        self.key = key
+        self.base = slot * FIELDS
+        others = [p for p in range(counts.processes) if p != counts.index]
+        self._found: dict[int, int | None] = dict.fromkeys(others)
+        self._searched: dict[int, float] = dict.fromkeys(others, -math.inf)
+
+    def publish(
+        self, in_flight: int, prefilling: int, prefill_tokens: int, dispatched: int, sent: int,
+        rates: tuple[tuple[float, float, float], ...],
+    ) -> None:  # fmt: skip
+        words, base = self.counts.words, self.base
+        words[base + _IN_FLIGHT] = in_flight
+        words[base + _PREFILLING] = prefilling
+        words[base + _PREFILL_TOKENS] = prefill_tokens
+        words[base + _DISPATCHED] = dispatched
+        words[base + _SENT] = sent
+        for i, (prompts, tokens, at) in enumerate(rates):
+            at_word = base + _RATES + 3 * i
+            words[at_word], words[at_word + 1], words[at_word + 2] = prompts, tokens, at
+
+    def others(self, now: float, windows: tuple[float, ...]) -> Others:
+        """The other processes' counts on this replica now, their rates decayed to `now`
+        (seconds on the monotonic clock, which all processes of one machine share)."""
+        counts, words, keys = self.counts, self.counts.words, self.counts.keys
+        out = Others()
+        rates = [[0.0, 0.0] for _ in windows]
+        for process in self._found:
+            slot = self._found[process]
+            if slot is None or keys[slot * FIELDS] != self.key:
+                if now - self._searched[process] < RESCAN_S:
+                    continue
+                self._searched[process] = now
+                slot = self._found[process] = counts.find(process, self.key)
+                if slot is None:
+                    continue
+            base = slot * FIELDS
+            out.in_flight += words[base + _IN_FLIGHT]
+            out.prefilling += words[base + _PREFILLING]
+            out.prefill_tokens += words[base + _PREFILL_TOKENS]
+            out.dispatched += words[base + _DISPATCHED]
+            out.sent += words[base + _SENT]
+            for i, window in enumerate(windows):
+                at_word = base + _RATES + 3 * i
+                scale = math.exp(-max(now - words[at_word + 2], 0.0) / window) / window
+                rates[i][0] += words[at_word] * scale
+                rates[i][1] += words[at_word + 1] * scale
+        out.rates = tuple((prompts, tokens) for prompts, tokens in rates)
+        return out
+
+    def release(self) -> None:
+        """The replica left this process's fleet: its slot is free again."""
+        words, base = self.counts.words, self.base
+        self.counts.keys[base] = 0
+        for field in range(1, FIELDS):
+            words[base + field] = 0.0
