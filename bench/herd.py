@@ -14,7 +14,10 @@ gateway, per point and on average.
 With `--http`, the same over HTTP: 1, 3 and 6 `specgate serve` processes in front of 2+2
 `specgate sim` replicas (the base cell's fleet and profile, in real time), a slice of the
 conversation trace replayed by the client in turn through each gateway (`bench.replay`), at about
-the fleet's capacity. Writes results.json and report.md (and http.json, http.md) to `--out`.
+the fleet's capacity. With `--workers`, one gateway of 1 and of 4 processes on one port
+(`specgate serve --workers 4`, counting each other's requests through shared memory) in front of
+the same fleet, over HTTP likewise. Writes results.json and report.md (http.json, http.md;
+workers.json, workers.md) to `--out`.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ CELLS = (
 )
 LOADS = (0.5, 1.0, 2.0)
 GATEWAYS = (1, 3, 6)
+PROCESSES = (1, 4)
 COUNTING = ("share", "own")
 """How a gateway counts its requests on a replica: as its share of the fleet's, or as they are."""
 
@@ -157,9 +161,10 @@ def _config(path: Path, pools: dict[Pool, list[str]], profile: str) -> Path:
 
 
 async def over_http(
-    cell: Cell, gateways: int, requests: int, load: float, traces: Path, folder: Path
+    cell: Cell, gateways: int, requests: int, load: float, traces: Path, folder: Path, processes: int = 1
 ) -> dict[str, Any]:
-    """One run through `gateways` gateway processes in front of simulated replicas (logs in `folder`)."""
+    """One run through `gateways` gateways of `processes` processes each in front of simulated
+    replicas (logs in `folder`)."""
     trace = loaded(cell, trace_path(traces, cell), requests, 0, load)
     modes = [Pool.SPECULATIVE] * cell.fleet[0] + [Pool.PLAIN] * cell.fleet[1]
     sims = []
@@ -172,9 +177,9 @@ async def over_http(
             ))  # fmt: skip
         pools = {pool: [s.url for s, m in zip(sims, modes, strict=True) if m is pool] for pool in Pool}
         config = await asyncio.to_thread(_config, folder / "gateway.toml", pools, cell.profile)
+        argv = launch.specgate_argv("serve", "--config", str(config), "--port", "0", "--workers", str(processes))
         for g in range(gateways):
-            procs.append(launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0"),
-                                      folder / f"gateway-{g}.log"))  # fmt: skip
+            procs.append(launch.spawn(argv, folder / f"gateway-{g}.log"))
         urls = [await launch.wait_ready(p, folder / f"gateway-{g}.log") for g, p in enumerate(procs)]
         settings = ReplaySettings(urls[0], MODEL, 1.0, cell.slo[0], cell.slo[1], more_gateways=tuple(urls[1:]))
         result, failed = await replay(trace, settings)
@@ -183,21 +188,23 @@ async def over_http(
             await launch.terminate(p)
         for s in sims:
             await asyncio.to_thread(stop_process, s.proc)
-    return {"cell": cell.label, "load": load, "gateways": gateways, **result.summary(), "failed": failed}
+    return {"cell": cell.label, "load": load, "gateways": gateways, "processes": processes, **result.summary(),
+            "failed": failed}  # fmt: skip
 
 
-def http_report(runs: Sequence[dict[str, Any]], command: str) -> str:
-    one = next(r for r in runs if r["gateways"] == 1)
+def http_report(runs: Sequence[dict[str, Any]], command: str, by: str = "gateways") -> str:
+    """The runs side by side, by number of `gateways` (in turn) or of `processes` (of one gateway)."""
+    one = runs[0]
+    how = "in turn through each gateway" if by == "gateways" else "through one gateway of that many processes"
     lines = [
-        "# Many gateways in front of one fleet, over HTTP", "", f"`{command}`", "",
-        f"{one['cell']}, load {one['load']:g}, {one['requests']} requests replayed in real time, in turn "
-        "through each gateway.", "",
-        "| gateways | SLO attainment | difference to one | TTFT p99 ms | TPOT p99 ms | failed |",
+        f"# Many {by} in front of one fleet, over HTTP", "", f"`{command}`", "",
+        f"{one['cell']}, load {one['load']:g}, {one['requests']} requests replayed in real time, {how}.", "",
+        f"| {by} | SLO attainment | difference to one | TTFT p99 ms | TPOT p99 ms | failed |",
         "|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in runs:
         to_one = (r["slo_attainment"] - one["slo_attainment"]) * 100
-        lines.append(f"| {r['gateways']} | {r['slo_attainment']:.3f} | {to_one:+.1f} | {r['ttft_p99_ms']:.0f} "
+        lines.append(f"| {r[by]} | {r['slo_attainment']:.3f} | {to_one:+.1f} | {r['ttft_p99_ms']:.0f} "
                      f"| {r['tpot_p99_ms']:.1f} | {r['failed']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -221,10 +228,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=Path("docs/bench/herd"))
     parser.add_argument("--http", action="store_true", help="over HTTP with gateway processes, not offline")
-    parser.add_argument("--load", type=float, default=1.0, help="--http: against the fleet's capacity")
+    parser.add_argument("--workers", action="store_true", help="over HTTP: one gateway of 1 and of 4 processes")
+    parser.add_argument("--load", type=float, default=1.0, help="--http, --workers: against the fleet's capacity")
     args = parser.parse_args(argv)
     logging.getLogger("specgate").setLevel(logging.WARNING)
     command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    if args.workers:
+        runs = []
+        for n in PROCESSES:
+            logs = Path("logs") / "herd-workers" / f"x{n}"  # (gitignored)
+            logs.mkdir(parents=True, exist_ok=True)
+            runs.append(asyncio.run(over_http(CELLS[0], 1, args.requests, args.load, args.traces, logs, n)))
+            print(f"{n} process(es): {runs[-1]['slo_attainment']:.3f}", file=sys.stderr)
+        _write(args.out, "workers", runs, http_report(runs, command, by="processes"))
+        return 0
     if args.http:
         runs = []
         for n in GATEWAYS:

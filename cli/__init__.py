@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from specgate.cli import bench, calibrate, keys, plan, policy, pools, serve, sim
@@ -24,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    """As called: `specgate serve --workers N` runs each process with them."""
     if extra and not hasattr(args, "passthrough"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:

@@ -6,12 +6,18 @@ import argparse
 import dataclasses
 import os
 import sys
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specgate.calibration.profiles import DEFAULT_PROFILE, get_profile
-from specgate.cli.arguments import Subcommands, common_options, positive_float
+from specgate.cli.arguments import Subcommands, common_options, positive_float, positive_int
 from specgate.cli.running import run_until_signalled
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from specgate.gateway.config import GatewaySettings, ProcessGroup
 
 ADMIN_TOKEN_ENV = "SPECGATE_ADMIN_TOKEN"
 """The admin API's bearer token, from the environment (a command-line flag would show in ps)."""
@@ -39,6 +45,12 @@ def add_command(sub: Subcommands) -> None:
     p.add_argument("--redis-prefix", help="key prefix in Redis (default: the config's, or specgate)")
     p.add_argument("--policy-cache", type=Path, help="file keeping the last good document from Redis")
     p.add_argument("--access-log", action="store_true", help="log one line per request (logger specgate.access)")
+    p.add_argument("--workers", type=positive_int, default=1, metavar="N",
+                   help="processes serving on the port, a core each (default 1; more need --config)")  # fmt: skip
+    # A process of several (--workers), as the supervisor starts it.
+    p.add_argument("--process", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--shared-counts", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--metrics-dir", type=Path, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -49,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from specgate.gateway.config import (
         AuthSettings,
         ConfigError,
-        GatewaySettings,
+        ProcessGroup,
         admin_token,
         env_keys,
         load_settings,
@@ -126,12 +138,22 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get(API_KEYS_ENV):
             env_keys(API_KEYS_ENV, os.environ[API_KEYS_ENV])
         configured = adjust(load_settings(args.config)) if args.config is not None else None
+        if args.workers > 1 and configured is None:
+            raise ConfigError("--workers", "the embedded default runs its simulated replicas inside the gateway: "
+                              "give --config with pools of their own for several processes")  # fmt: skip
     except Invalid as exc:
         print(f"specgate serve: {exc}", file=sys.stderr)
         return 2
     except (KeyError, ValueError) as exc:
         print(f"specgate serve: {exc.args[0]}", file=sys.stderr)
         return 2
+
+    if configured is not None and args.workers > 1:
+        if args.process is None:
+            return _supervise(args, configured, ready)
+        group = ProcessGroup(args.process, args.workers, args.shared_counts, args.metrics_dir)
+        configured = dataclasses.replace(configured, processes=group)
+        ready = partial(_process_ready, group)
 
     async def main() -> None:
         if configured is not None:
@@ -147,3 +169,22 @@ def run(args: argparse.Namespace) -> int:
 
     run_until_signalled(main)
     return 0
+
+
+def _supervise(
+    args: argparse.Namespace, settings: GatewaySettings, ready: Callable[[GatewaySettings, str], None]
+) -> int:
+    """Several processes on one port (`cli/processes.py`), each this command with its place added."""
+    from specgate.cli.processes import Supervisor
+    from specgate.workers import launch
+
+    argv = launch.specgate_argv(*args.argv)
+    supervisor = Supervisor(argv, args.workers, settings.host, settings.port, settings.shutdown_grace_s)
+    run_until_signalled(partial(supervisor.run, lambda url: ready(settings, url)))
+    return 0
+
+
+def _process_ready(group: ProcessGroup, _: GatewaySettings, url: str) -> None:
+    from specgate.cli.processes import ready_line
+
+    print(ready_line(group.index, group.count, url), flush=True)

@@ -75,6 +75,12 @@ async def get_policy(request: web.Request) -> web.Response:
 
 async def put_policy(request: web.Request) -> web.Response:
     _authorize(request)
+    settings = request.app[SETTINGS]
+    if settings.processes is not None and settings.store.url is None:
+        raise Conflict(
+            f"this gateway runs {settings.processes.count} processes (--workers), and this request reached one: "
+            "a policy document reaches them all only through the store (start the gateway with --redis)"
+        )
     control = request.app[POLICY]
     match = request.headers.get("if-match")
     if match is None:
@@ -153,7 +159,11 @@ async def get_fleet(request: web.Request) -> web.Response:
     pools = {pool.value: _fit(fit, plan.model, pool) for pool, fit in fleet.fits.items()}
     advice = request.app[ADVISOR].advice
     advisor = advice.view() if advice is not None else None
-    return _json({"profile": plan.profile, "replicas": replicas, "pools": pools, "advisor": advisor})
+    group = request.app[SETTINGS].processes
+    process = {"index": group.index + 1, "count": group.count} if group is not None else None
+    return _json(
+        {"profile": plan.profile, "replicas": replicas, "pools": pools, "advisor": advisor, "process": process}
+    )
 
 
 def add_admin_routes(app: web.Application) -> None:

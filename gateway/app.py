@@ -41,13 +41,16 @@ from specgate.protocol.serving import serve_until_cancelled
 from specgate.validation import Invalid
 from specgate.workers.discovery import Discovery, PoolSources, source
 from specgate.workers.pools import Fleet, Replica
+from specgate.workers.shared import SharedCounts
 
 _log = logging.getLogger(__name__)
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    fleet = Fleet({pool: list(urls) for pool, urls in settings.pools.items()}, settings.fleet)
+    group = settings.processes
+    shared = SharedCounts(group.counts, group.count, group.index) if group is not None else None
+    fleet = Fleet({pool: list(urls) for pool, urls in settings.pools.items()}, settings.fleet, shared)
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
     session = aiohttp.ClientSession(
         connector=connector,
@@ -62,7 +65,10 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         connector=aiohttp.TCPConnector(limit_per_host=4, ttl_dns_cache=300, enable_cleanup_closed=True),
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
-    metrics = GatewayMetrics(fleet, with_store=settings.store.url is not None, prices=settings.usd_per_replica_hour)
+    metrics = GatewayMetrics(
+        fleet, with_store=settings.store.url is not None, prices=settings.usd_per_replica_hour,
+        summed=group.metrics if group is not None else None,
+    )  # fmt: skip
     store = PolicyStore.connect(settings.store.url, settings.store.prefix) if settings.store.url else None
     control = PolicyControl(
         metrics, settings.policy, store, settings.store.cache, settings.store.refresh_s, settings.profiles, fleet
@@ -121,6 +127,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await session.close()
         await probes.close()
         advisor.close()
+        if shared is not None:
+            shared.close()
 
 
 class _Scrapers:
@@ -263,4 +271,7 @@ async def serve(settings: GatewaySettings, on_ready: Callable[[str], None] | Non
     """Serve until cancelled; on the way out, stop accepting and let requests in flight finish."""
     app = make_app(settings)
     runner = make_runner(app, settings)
-    await serve_until_cancelled(app, settings.host, settings.port, on_ready, settings.shutdown_grace_s, runner)
+    await serve_until_cancelled(
+        app, settings.host, settings.port, on_ready, settings.shutdown_grace_s, runner,
+        reuse_port=settings.processes is not None,
+    )  # fmt: skip

@@ -141,6 +141,20 @@ class GatewaySettings:
     """The profiles a policy document may name: the built-in ones and those loaded from files."""
     launch: LaunchPlan | None = None
     """The vLLM servers the config's [launch] section starts (`specgate pools`)."""
+    processes: ProcessGroup | None = None
+    """This process's place among the gateway's processes (`specgate serve --workers N`); None alone."""
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """One of the gateway's processes serving on one port (`specgate serve --workers N`)."""
+
+    index: int
+    count: int
+    counts: Path
+    """The file in which they count their requests on each replica (`workers/shared.py`)."""
+    metrics: Path
+    """The directory in which they keep their counters for /metrics to sum (Prometheus's multiprocess files)."""
 
 
 # --- the file, section by section ----------------------------------------------------------------

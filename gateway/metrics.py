@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from functools import partial
 from operator import attrgetter
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from specgate.calibration.modes import Pool
@@ -45,6 +47,34 @@ class _Children:
         if child is None:
             child = self._children[values] = self._metric.labels(*values)
         return child
+
+
+class _Summed(Collector):
+    """The counters and histograms of every process of the gateway, summed (Prometheus's
+    multiprocess files; their gauges are each process's own, shown by that process)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def _files(self) -> list[str]:
+        return [str(p) for kind in ("counter", "histogram") for p in self.directory.glob(f"{kind}_*.db")]
+
+    def collect(self) -> Iterable[Metric]:
+        merged: Iterable[Metric] = MultiProcessCollector.merge(self._files(), accumulate=True)  # type: ignore[no-untyped-call]
+        return merged
+
+    def names(self) -> set[str]:
+        return {family.name for family in self.collect()}
+
+
+class _Except(Collector):
+    """A registry's metrics but those named."""
+
+    def __init__(self, registry: CollectorRegistry, names: Collection[str]) -> None:
+        self.registry, self.names = registry, names
+
+    def collect(self) -> Iterator[Metric]:
+        return (family for family in self.registry.collect() if family.name not in self.names)
 
 
 class _ReplicaGauges(Collector):
@@ -162,7 +192,12 @@ class GatewayMetrics:
         with_store: bool = False,
         prices: Mapping[Pool, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        summed: Path | None = None,
     ) -> None:
+        """With `summed`, the gateway is one of several processes (`specgate serve --workers N`)
+        whose counters and histograms Prometheus's client keeps in files there: /metrics shows them
+        summed over the processes, and this process's own gauges."""
+        self.summed = summed
         self.registry = r = CollectorRegistry()
         self.tokens = TokenRate(clock())
         """What each pool generated lately, as this gateway relayed it: its throughput."""
@@ -257,4 +292,7 @@ class GatewayMetrics:
         return name
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.summed is None:
+            return generate_latest(self.registry)
+        summed = _Summed(self.summed)
+        return generate_latest(summed) + generate_latest(_Except(self.registry, summed.names()))

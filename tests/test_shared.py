@@ -11,7 +11,7 @@ import pytest
 from specgate.calibration.modes import Pool
 from specgate.workers.pools import Fleet, FleetSettings, Replica
 from specgate.workers.scrape import VllmLoad
-from specgate.workers.shared import SLOTS, SharedCounts
+from specgate.workers.shared import FIELDS, SLOTS, SharedCounts
 
 SETTINGS = FleetSettings()
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
@@ -105,16 +105,24 @@ def test_a_freed_slot_taken_by_another_replica_is_not_mistaken_for_the_old_one(c
     first.reconcile({Pool.PLAIN: [B, "http://10.0.0.3:8000"]})  # a newcomer takes a free slot
     newcomer = next(r for r in first.replicas.values() if r.url.endswith("10.0.0.3:8000"))
     newcomer.dispatched_one(10, now=0.0)
-    assert state(second, A, 5.0)["in_flight"] == 0
+    assert state(second, A, 0.0)["in_flight"] == 0
 
 
 def test_a_row_holds_its_slots_and_no_more(tmp_path: Path) -> None:
     counts = SharedCounts(SharedCounts.create(1, tmp_path), 1, 0)
-    for i in range(SLOTS):
+    for i in range(SLOTS - 1):  # (the first slot keeps the row's generation)
         counts.slot(f"http://10.1.{i // 256}.{i % 256}:8000")
-    assert counts.slot("http://10.1.0.0:8000").base == 0  # one it has: found, not taken again
+    assert counts.slot("http://10.1.0.0:8000").base == FIELDS  # one it has: found, not taken again
     with pytest.raises(RuntimeError, match="replicas to share"):
         counts.slot("http://10.9.9.9:8000")
+
+
+def test_a_replica_another_process_takes_up_later_is_found_at_once(counts_file: Path) -> None:
+    early = Fleet({Pool.PLAIN: [A]}, SETTINGS, SharedCounts(counts_file, 2, 0))
+    scrape(early, 0.0)  # searched for A in the other row: nothing there yet
+    late = Fleet({Pool.PLAIN: [A]}, SETTINGS, SharedCounts(counts_file, 2, 1))
+    by_url(late, A).dispatched_one(10, now=0.0)
+    assert state(early, A, 0.0)["in_flight"] == 1
 
 
 def test_counts_cross_real_processes(counts_file: Path) -> None:

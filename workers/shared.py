@@ -10,7 +10,8 @@ it takes its snapshot. No locks: each row has one writer, every field is one ali
 and a read that straddles a write sees one request's change a little early or late.
 
 A replica is found in another process's row by a hash of its URL: processes name replicas in the
-order they find them, which need not agree.
+order they find them, which need not agree. A row's first slot counts the changes of its replicas
+(taken or freed slots), so a reader searches a row again only when it has changed.
 """
 
 from __future__ import annotations
@@ -24,15 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SLOTS = 256
-"""Replicas one process can publish at once."""
+"""Slots of a row: the first holds the row's generation, the others one replica each."""
 FIELDS = 12
 # The fields of a slot, in 8-byte words: its key (a signed 64-bit hash of the URL, 0 when free),
 # then floats.
 _KEY, _IN_FLIGHT, _PREFILLING, _PREFILL_TOKENS, _DISPATCHED, _SENT = range(6)
 _RATES = 6
 """Two decaying rates (window, burst) of three words each: prompts, tokens, and when they were last added to."""
-RESCAN_S = 1.0
-"""How long a process that does not publish a replica (yet) is left unsearched for it."""
 
 
 def url_key(url: str) -> int:
@@ -67,6 +66,11 @@ class SharedCounts:
             self._map = mmap.mmap(file.fileno(), size)
         self.words = memoryview(self._map).cast("d")
         self.keys = memoryview(self._map).cast("q")
+        row = index * SLOTS * FIELDS
+        generation = self.keys[row]
+        for word in range(row, row + SLOTS * FIELDS):  # a process restarted in its row starts afresh
+            self.keys[word] = 0
+        self.keys[row] = generation + 1
 
     @staticmethod
     def create(processes: int, directory: Path | None = None) -> Path:
@@ -84,22 +88,30 @@ class SharedCounts:
         key = url_key(url)
         row = self.index * SLOTS
         free = None
-        for slot in range(row, row + SLOTS):
+        for slot in range(row + 1, row + SLOTS):
             if self.keys[slot * FIELDS] == key:
                 return SharedSlot(self, key, slot)
             if free is None and self.keys[slot * FIELDS] == 0:
                 free = slot
         if free is None:
-            raise RuntimeError(f"more than {SLOTS} replicas to share counts of")
+            raise RuntimeError(f"more than {SLOTS - 1} replicas to share counts of")
         base = free * FIELDS
         for field in range(1, FIELDS):
             self.words[base + field] = 0.0
         self.keys[base] = key  # last: a reader finds it only once it is zeroed
+        self.changed()
         return SharedSlot(self, key, free)
+
+    def generation(self, process: int) -> int:
+        """How often `process`'s replicas have changed."""
+        return int(self.keys[process * SLOTS * FIELDS])
+
+    def changed(self) -> None:
+        self.keys[self.index * SLOTS * FIELDS] += 1
 
     def find(self, process: int, key: int) -> int | None:
         row = process * SLOTS
-        for slot in range(row, row + SLOTS):
+        for slot in range(row + 1, row + SLOTS):
             if self.keys[slot * FIELDS] == key:
                 return slot
         return None
@@ -119,7 +131,8 @@ class SharedSlot:
         self.base = slot * FIELDS
         others = [p for p in range(counts.processes) if p != counts.index]
         self._found: dict[int, int | None] = dict.fromkeys(others)
-        self._searched: dict[int, float] = dict.fromkeys(others, -math.inf)
+        self._searched: dict[int, int] = dict.fromkeys(others, -1)
+        """The generation of each other row when this replica was last searched for there."""
 
     def publish(
         self, in_flight: int, prefilling: int, prefill_tokens: int, dispatched: int, sent: int,
@@ -144,9 +157,10 @@ class SharedSlot:
         for process in self._found:
             slot = self._found[process]
             if slot is None or keys[slot * FIELDS] != self.key:
-                if now - self._searched[process] < RESCAN_S:
-                    continue
-                self._searched[process] = now
+                generation = counts.generation(process)
+                if generation == self._searched[process]:
+                    continue  # not there, and nothing changed there since
+                self._searched[process] = generation
                 slot = self._found[process] = counts.find(process, self.key)
                 if slot is None:
                     continue
@@ -170,3 +184,4 @@ class SharedSlot:
         self.counts.keys[base] = 0
         for field in range(1, FIELDS):
             words[base + field] = 0.0
+        self.counts.changed()

@@ -1,0 +1,132 @@
+"""`specgate serve --workers N`: processes on one port that count each other's requests, supervised."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from specgate.cli.serve import ADMIN_TOKEN_ENV
+from specgate.testing import SimProcess
+from specgate.workers import launch
+
+MODEL = "sim-model"
+TOKEN = "processes-test-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
+    return {int(p) for p in out.stdout.split()}
+
+
+async def stream(url: str, started: asyncio.Event) -> bool:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    async with aiohttp.ClientSession() as session, session.post(f"{url}/v1/chat/completions", json=body) as r:
+        text = b""
+        async for chunk in r.content.iter_any():
+            text += chunk
+            started.set()
+        return r.status == 200 and text.rstrip().endswith(b"data: [DONE]")
+
+
+async def fleet_view(url: str) -> dict[str, object]:
+    """/admin/fleet on a connection of its own: the kernel may hand it to either process."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/admin/fleet", headers=AUTH) as r:
+        assert r.status == 200
+        view: dict[str, object] = await r.json()
+        return view
+
+
+@pytest.mark.slow
+async def test_processes_share_the_port_and_count_each_others_requests(
+    sim_factory: Callable[..., SimProcess], tmp_path: Path
+) -> None:
+    sims = [sim_factory("--mode", mode, "--model", MODEL, "--time-scale", "2") for mode in ("speculative", "plain")]
+    config = tmp_path / "specgate.toml"
+    config.write_text(
+        f'[models]\nserved = ["{MODEL}"]\n[pools.speculative]\nurls = ["{sims[0].url}"]\n'
+        f'[pools.plain]\nurls = ["{sims[1].url}"]\n'
+    )
+    log = tmp_path / "gateway.log"
+    argv = launch.specgate_argv("serve", "--config", str(config), "--port", "0", "--workers", "2")
+    supervisor = launch.spawn(argv, log, env={ADMIN_TOKEN_ENV: TOKEN})
+    try:
+        url = await launch.wait_ready(supervisor, log)  # once both processes listen
+        assert "gateway process 1/2 serving on" in log.read_text()
+        assert "gateway process 2/2 serving on" in log.read_text()
+        first = children(supervisor.pid)
+        assert len(first) == 2
+        argv = (await asyncio.to_thread(Path(f"/proc/{min(first)}/cmdline").read_text)).split("\0")
+        counts = Path(argv[argv.index("--shared-counts") + 1])
+
+        started = [asyncio.Event() for _ in range(12)]
+        streams = [asyncio.create_task(stream(url, e)) for e in started]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=30)
+        answered_by = set()
+        for _ in range(16):  # each process, whichever connections it got, counts all twelve
+            view = await fleet_view(url)
+            process = view["process"]
+            assert isinstance(process, dict)
+            answered_by.add(process["index"])
+            replicas = view["replicas"]
+            assert isinstance(replicas, list)
+            assert sum(r["in_flight"] for r in replicas) == 12, replicas
+        assert answered_by == {1, 2}
+        assert all(await asyncio.gather(*streams))
+
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{url}/admin/policy", headers=AUTH) as r:
+                document = await r.json()
+            headers = {**AUTH, "If-Match": "*"}
+            async with session.put(f"{url}/admin/policy", headers=headers, json=document) as r:
+                assert r.status == 409  # it would reach one process of two: through the store only
+                assert "--redis" in (await r.json())["error"]["message"]
+
+            doomed = min(first)
+            os.kill(doomed, signal.SIGKILL)
+            for _ in range(100):  # until it is gone (connections the kernel queued for it broke with it)
+                if "exited with -9" in log.read_text():
+                    break
+                await asyncio.sleep(0.05)
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            for _ in range(10):  # the other process serves meanwhile (on new connections: the dead one's broke)
+                async with aiohttp.ClientSession() as fresh, fresh.post(f"{url}/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+            for _ in range(100):
+                now = children(supervisor.pid)
+                if len(now) == 2 and doomed not in now:
+                    break
+                await asyncio.sleep(0.1)
+            assert len(now) == 2  # restarted
+            assert doomed not in now
+            assert "exited with -9; restarting it in 1 s" in log.read_text()
+
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{url}/metrics") as r:  # counters summed over the processes, the dead one's too
+                text = await r.text()
+            served = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("specgate_requests_total{"))  # fmt: skip
+            assert served == 22
+    finally:
+        await launch.terminate(supervisor, grace_s=20)
+    assert not launch.group_alive(supervisor.pid)
+    assert not await asyncio.to_thread(counts.exists)  # the supervisor leaves nothing behind
+
+
+def test_several_processes_need_pools_of_their_own() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "specgate", "serve", "--workers", "2", "--port", "0"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--workers" in done.stderr
+    assert "--config" in done.stderr
