@@ -104,12 +104,23 @@ class Wrk:
 
     requests: int
     failed: int
+    seconds: int
+
+    @property
+    def per_s(self) -> float:
+        return self.requests / self.seconds
 
 
 async def wrk(url: str, script: Path, connections: int, seconds: float, core: int) -> Wrk:
-    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "-s", str(script), url]
-    proc = await asyncio.create_subprocess_exec(*_pinned(argv, core), stdout=asyncio.subprocess.PIPE)
+    """`seconds` of wrk (whole seconds: wrk counts no fraction)."""
+    whole = max(round(seconds), 1)
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{whole}s", "-s", str(script), url]
+    proc = await asyncio.create_subprocess_exec(
+        *_pinned(argv, core), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
     out, _ = await proc.communicate()
+    if proc.returncode != 0 or b"requests in" not in out:
+        raise RuntimeError(f"wrk failed: {out.decode(errors='replace')[-500:]}")
     requests = failed = 0
     for line in out.decode().splitlines():
         words = line.split()
@@ -119,7 +130,7 @@ async def wrk(url: str, script: Path, connections: int, seconds: float, core: in
             failed += int(words[-1])
         elif line.strip().startswith("Socket errors"):  # connect N, read N, write N, timeout N
             failed += sum(int(w.rstrip(",")) for w in words[3::2])
-    return Wrk(requests, failed)
+    return Wrk(requests, failed, whole)
 
 
 async def fixed_rate(session: aiohttp.ClientSession, url: str, rate: float, seconds: float) -> tuple[list[float], int]:
@@ -193,14 +204,14 @@ async def under_wrk(url: str, seconds: float, router_pid: int | None, scripts: d
 
     cpu0 = cpu()
     run = await wrk(url, scripts["whole"], 32, seconds, 0)
-    into.rps.append(run.requests / seconds)
+    into.rps.append(run.per_s)
     into.failed += run.failed
     if router_pid and run.requests:
         into.cpu_us_per_request.append((cpu() - cpu0) / run.requests * 1e6)
     cpu0 = cpu()
     run = await wrk(url, scripts["stream"], 16, seconds, 0)
     chunks = run.requests * CHUNKS_PER_STREAM
-    into.chunks_per_s.append(chunks / seconds)
+    into.chunks_per_s.append(chunks / run.seconds)
     into.failed += run.failed
     if router_pid and chunks:
         into.cpu_us_per_chunk.append((cpu() - cpu0) / chunks * 1e6)
