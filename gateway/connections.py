@@ -54,7 +54,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.response: UpstreamResponse | None = None
         self._head_size = 0
-        self._name = b""
+        """Bytes received of the answer while its head is not complete yet."""
 
     # asyncio.Protocol
 
@@ -73,6 +73,12 @@ class _Connection(asyncio.Protocol):
             reason = exc.__context__ if isinstance(exc.__context__, UpstreamError) else exc
             response.fail(UpstreamError(f"malformed response: {reason}"))
             self.abort()
+            return
+        if not response.status:  # the parser holds what it has of the head: bounded here
+            self._head_size += len(data)
+            if self._head_size > MAX_HEAD_BYTES:
+                response.fail(UpstreamError(f"malformed response: a head past {MAX_HEAD_BYTES} bytes"))
+                self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -95,9 +101,6 @@ class _Connection(asyncio.Protocol):
             raise UpstreamError("bytes past the end of the answer")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_size += len(name) + len(value) + 4
-        if self._head_size > MAX_HEAD_BYTES:
-            raise UpstreamError(f"response head past {MAX_HEAD_BYTES} bytes")
         assert self.response is not None
         self.response.raw_headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 

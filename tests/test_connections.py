@@ -175,6 +175,20 @@ async def test_a_head_without_end_is_refused_not_buffered() -> None:
             await asyncio.wait_for(read_all(connections, server.url), 3.0)
 
 
+async def test_a_header_line_without_end_is_refused_too() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Endless: ")
+        for _ in range(200):
+            writer.write(b"y" * 1024)
+        await writer.drain()
+        await reader.read()  # until the gateway hangs up
+
+    async with Server(serve) as server, pool() as connections:
+        with pytest.raises(UpstreamError, match="head past"):
+            await asyncio.wait_for(read_all(connections, server.url), 3.0)
+
+
 async def test_no_replica_listening_is_a_connect_failure() -> None:
     async with Server(lambda r, w: asyncio.sleep(0)) as server:
         url = server.url
