@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from specgate.calibration.modes import Pool
+from specgate.workers.latency_fit import LatencyFit, Priced
 from specgate.workers.pools import Fleet, FleetSettings, Replica
 from specgate.workers.scrape import VllmLoad
 from specgate.workers.shared import FIELDS, SLOTS, SharedCounts
@@ -138,3 +139,27 @@ def test_counts_cross_real_processes(counts_file: Path) -> None:
     subprocess.run([sys.executable, "-c", program, str(counts_file)], check=True, timeout=60)
     assert state(reader, A, 1.0)["in_flight"] == 3
     assert state(reader, A, 1.0)["prefill_tokens"] == 192
+
+
+def answers(fit: LatencyFit, n: int, slower: float) -> None:
+    """`n` answers from replicas `slower` times the profile's decode cost (TPOT by the step gap)."""
+    for i in range(n):
+        batch = 1 + i % 8
+        step = (10.0, 2.0 * batch, 0.0, 0.0)
+        priced = Priced("profile", (20.0, 0.0, 30.0, 1.0), step, step)
+        measured = 10.0 + slower * 2.0 * batch
+        fit.observe(None, measured, priced, step_ms=measured)
+
+
+def test_each_process_fits_the_step_costs_from_every_processs_answers(counts_file: Path) -> None:
+    first, second = fleets(counts_file)
+    alone = FleetSettings().latency_fit()
+    answers(first.fits[Pool.PLAIN], 60, slower=2.0)
+    answers(alone, 60, slower=2.0)
+    mine = second.fits[Pool.PLAIN]
+    assert mine.scales.decode == 1.0  # nothing of its own yet
+    mine.follow("profile")  # (as each snapshot makes it: the profile the policy predicts with)
+    mine.refresh()
+    assert mine.scales.decode == pytest.approx(alone.scales.decode, rel=1e-9)
+    assert mine.scales.decode > 1.3  # learned from the other process's answers (the prior holds it back)
+    assert second.fits[Pool.SPECULATIVE].scales.decode == 1.0  # the other pool's fit: untouched

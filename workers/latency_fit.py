@@ -38,6 +38,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from specgate.workers.shared import SharedFit
 from specgate.workers.snapshot import CORRECTION_RANGE, Scales
 
 Terms = tuple[float, float, float, float]
@@ -143,6 +144,9 @@ class LatencyFit:
                        for i in range(4)]  # fmt: skip
         self._prior[3][3] = prior_weight / OVERHEAD_PRIOR_MS**2
         self._prior_weight = prior_weight
+        self.shared: SharedFit | None = None
+        """Where this gateway's other processes publish their fits of the same pool: their sums
+        join this one's (`workers/shared.py`)."""
         self.siblings: list[LatencyFit] = []
         """The fits of the fleet's other pools: the same hardware and model, so what they learn of
         the profile is this one's prior (`center_on`)."""
@@ -272,6 +276,8 @@ class LatencyFit:
                 for j in range(4):
                     self._xx[i][j] += x[i] * x[j]
         self.fitted += 1
+        if self.shared is not None and self.basis is not None:
+            self.shared.publish(self.basis, self.fitted, self._xx, self._xy)
         self._solve(rows)
         for sibling in self.siblings:
             sibling.center_on(self)
@@ -285,6 +291,10 @@ class LatencyFit:
         equations, join the residuals the standard errors rest on."""
         a = [[self._xx[i][j] + self._prior[i][j] for j in range(4)] for i in range(4)]
         b = [self._xy[i] + self._at_prior[i] for i in range(4)]
+        if self.shared is not None and self.basis is not None:  # the other processes' answers too
+            _, xx, xy = self.shared.summed(self.basis)
+            a = [[a[i][j] + xx[i][j] for j in range(4)] for i in range(4)]
+            b = [b[i] + xy[i] for i in range(4)]
         inverse = _inverse(a)
         if inverse is None:
             return
@@ -309,6 +319,11 @@ class LatencyFit:
             math.sqrt(variance * inverse[2][2]),
             math.sqrt(variance * inverse[3][3]),
         )
+
+    def refresh(self) -> None:
+        """Take up what the other processes have fitted since this one last did."""
+        if self.shared is not None and self.learn:
+            self._solve()
 
     def report(self) -> FitReport:
         def rms(kind: str) -> float | None:

@@ -533,8 +533,10 @@ class Fleet:
         self.fits = {pool: settings.latency_fit() for pool in Pool}
         """Each pool's step costs, re-fitted from the answers of all its replicas (and a prior
         centered on what the other pool's show)."""
-        for pool, fit in self.fits.items():
+        for number, (pool, fit) in enumerate(self.fits.items()):
             fit.siblings = [other for p, other in self.fits.items() if p is not pool]
+            if shared is not None:  # (every process numbers the pools alike: in Pool's order)
+                fit.shared = shared.fit(number)
         self._named = dict.fromkeys(Pool, 0)
         """Replicas named so far per pool: a new one takes the next number, never a used one."""
         self._arranged: tuple[Mapping[str, Pool], Collection[str]] = ({}, ())
@@ -636,6 +638,7 @@ class Fleet:
             return
         was_admitted = replica.healthy
         replica.scraped(load, time.monotonic(), dispatched)
+        self.fits[replica.pool].refresh()  # what the other processes fitted meanwhile
         if replica.healthy and not was_admitted:  # (re)admitted: it may have restarted with other flags
             replica.max_model_len = await _max_model_len(session, replica.url, timeout)
 

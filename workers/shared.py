@@ -9,6 +9,10 @@ memory-mapped file that every process of the gateway maps; a process reads the o
 it takes its snapshot. No locks: each row has one writer, every field is one aligned 8-byte word,
 and a read that straddles a write sees one request's change a little early or late.
 
+Each process also publishes, per pool, the sums its step-cost fit rests on (`latency_fit.py`): a
+fit adds the others' to its own, so every process learns the step costs from every answer, not
+from its share of them.
+
 A replica is found in another process's row by a hash of its URL: processes name replicas in the
 order they find them, which need not agree. A row's first slot counts the changes of its replicas
 (taken or freed slots), so a reader searches a row again only when it has changed.
@@ -34,9 +38,22 @@ _RATES = 6
 """Two decaying rates (window, burst) of three words each: prompts, tokens, and when they were last added to."""
 
 
+FITS = 2
+"""Step-cost fits a process publishes: one per pool."""
+FIT_FIELDS = 22
+# The words of a fit: the basis it is fitted against (a key, 0 for none), the answers fitted, then
+# the decayed sums of x xᵀ (16) and of x y (4).
+_BASIS, _FITTED, _XX = range(3)
+_XY = _XX + 16
+
+
 def url_key(url: str) -> int:
     key = int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "little", signed=True)
     return key or 1
+
+
+def _size(processes: int) -> int:
+    return processes * (SLOTS * FIELDS + FITS * FIT_FIELDS) * 8
 
 
 @dataclass
@@ -61,9 +78,8 @@ class SharedCounts:
         self.processes = processes
         self.index = index
         """This process's row."""
-        size = processes * SLOTS * FIELDS * 8
         with path.open("r+b") as file:
-            self._map = mmap.mmap(file.fileno(), size)
+            self._map = mmap.mmap(file.fileno(), _size(processes))
         self.words = memoryview(self._map).cast("d")
         self.keys = memoryview(self._map).cast("q")
         row = index * SLOTS * FIELDS
@@ -71,6 +87,8 @@ class SharedCounts:
         for word in range(row, row + SLOTS * FIELDS):  # a process restarted in its row starts afresh
             self.keys[word] = 0
         self.keys[row] = generation + 1
+        for word in range(self._fit_base(index, 0), self._fit_base(index, FITS)):
+            self.keys[word] = 0
 
     @staticmethod
     def create(processes: int, directory: Path | None = None) -> Path:
@@ -80,7 +98,7 @@ class SharedCounts:
             directory = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
         fd, name = tempfile.mkstemp(prefix="specgate-counts-", dir=directory)
         with os.fdopen(fd, "wb") as file:
-            file.truncate(processes * SLOTS * FIELDS * 8)
+            file.truncate(_size(processes))
         return Path(name)
 
     def slot(self, url: str) -> SharedSlot:
@@ -101,6 +119,15 @@ class SharedCounts:
         self.keys[base] = key  # last: a reader finds it only once it is zeroed
         self.changed()
         return SharedSlot(self, key, free)
+
+    def _fit_base(self, process: int, fit: int) -> int:
+        return self.processes * SLOTS * FIELDS + (process * FITS + fit) * FIT_FIELDS
+
+    def fit(self, number: int) -> SharedFit:
+        """This process's fit `number` (one per pool, numbered alike in every process)."""
+        return SharedFit(
+            self, [self._fit_base(p, number) for p in range(self.processes)], self._fit_base(self.index, number)
+        )
 
     def generation(self, process: int) -> int:
         """How often `process`'s replicas have changed."""
@@ -185,3 +212,36 @@ class SharedSlot:
         for field in range(1, FIELDS):
             words[base + field] = 0.0
         self.counts.changed()
+
+
+class SharedFit:
+    """One pool's step-cost fit: the sums this process publishes, and the others' (`latency_fit.py`)."""
+
+    def __init__(self, counts: SharedCounts, bases: list[int], own: int) -> None:
+        self.counts = counts
+        self.own = own
+        self.others = [base for base in bases if base != own]
+
+    def publish(self, basis: str, fitted: int, xx: list[list[float]], xy: list[float]) -> None:
+        words, base = self.counts.words, self.own
+        self.counts.keys[base + _BASIS] = 0  # (a reader skips it while it changes)
+        words[base + _FITTED] = fitted
+        for i in range(4):
+            words[base + _XY + i] = xy[i]
+            for j in range(4):
+                words[base + _XX + 4 * i + j] = xx[i][j]
+        self.counts.keys[base + _BASIS] = url_key(basis)
+
+    def summed(self, basis: str) -> tuple[int, list[list[float]], list[float]]:
+        """The other processes' answers fitted and sums, of those fitted against `basis`."""
+        words, keys, key = self.counts.words, self.counts.keys, url_key(basis)
+        fitted, xx, xy = 0, [[0.0] * 4 for _ in range(4)], [0.0] * 4
+        for base in self.others:
+            if keys[base + _BASIS] != key:
+                continue
+            fitted += int(words[base + _FITTED])
+            for i in range(4):
+                xy[i] += words[base + _XY + i]
+                for j in range(4):
+                    xx[i][j] += words[base + _XX + 4 * i + j]
+        return fitted, xx, xy
