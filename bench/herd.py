@@ -39,7 +39,7 @@ from specgate.bench.grid import Cell, loaded, scenario
 from specgate.bench.offline import simulate
 from specgate.bench.replay import ReplaySettings, replay
 from specgate.calibration.modes import Pool
-from specgate.testing import start_sim, stop_process
+from specgate.testing import gateway_config, start_sim, stop_process
 from specgate.workers import launch
 
 TRACES = Path("../shared/traces/azure_llm_2023")
@@ -151,15 +151,6 @@ def report(results: dict[str, Any], command: str) -> str:
 MODEL = "herd-model"
 
 
-def _config(path: Path, pools: dict[Pool, list[str]], profile: str) -> Path:
-    path.write_text(
-        f'[models]\nserved = ["{MODEL}"]\n'
-        + "".join(f"[pools.{pool.value}]\nurls = {json.dumps(urls)}\n" for pool, urls in pools.items())
-        + f'[policy]\npolicy = "adaptive"\nprofile = "{profile}"\n'
-    )
-    return path
-
-
 async def over_http(
     cell: Cell, gateways: int, requests: int, load: float, traces: Path, folder: Path, processes: int = 1
 ) -> dict[str, Any]:
@@ -176,7 +167,10 @@ async def over_http(
                 "--model", MODEL, "--seed", str(i),
             ))  # fmt: skip
         pools = {pool: [s.url for s, m in zip(sims, modes, strict=True) if m is pool] for pool in Pool}
-        config = await asyncio.to_thread(_config, folder / "gateway.toml", pools, cell.profile)
+        config = await asyncio.to_thread(
+            gateway_config, folder / "gateway.toml", MODEL, pools[Pool.SPECULATIVE], pools[Pool.PLAIN],
+            f'[policy]\npolicy = "adaptive"\nprofile = "{cell.profile}"\n',
+        )  # fmt: skip
         argv = launch.specgate_argv("serve", "--config", str(config), "--port", "0", "--workers", str(processes))
         for g in range(gateways):
             procs.append(launch.spawn(argv, folder / f"gateway-{g}.log"))

@@ -41,6 +41,7 @@ import aiohttp
 
 from specgate.bench import bare_relay
 from specgate.bench import upstream as upstream_server
+from specgate.testing import gateway_config
 from specgate.workers import launch
 
 BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
@@ -308,11 +309,7 @@ async def run(seconds: float, rounds: int, workdir: Path) -> dict[str, PathFigur
             await start(f"upstream-{i}", launch.module_argv(upstream_server, "--port", "0"), 0) for i in (1, 2)
         ]
         spec_url, plain_url = (url for _, url in upstreams)
-        config = workdir / "specgate.toml"
-        config.write_text(
-            f'[models]\nserved = ["bench"]\n[pools.speculative]\nurls = ["{spec_url}"]\n'
-            f'[pools.plain]\nurls = ["{plain_url}"]\n'
-        )
+        config = gateway_config(workdir / "specgate.toml", "bench", [spec_url], [plain_url])
         gateway, gateway_url = await start(
             "gateway", launch.specgate_argv("serve", "--config", str(config), "--port", "0"), last_core
         )

@@ -39,7 +39,7 @@ import aiohttp
 from specgate.bench.overhead import pct
 from specgate.gateway.store import PolicyStore
 from specgate.policies.document import PolicyDocument, parse
-from specgate.testing import RedisServer, free_port
+from specgate.testing import RedisServer, free_port, gateway_config
 from specgate.workers import launch
 
 MODEL = "m"
@@ -141,10 +141,8 @@ async def run(changes: int, clients: int, refresh_ms: float, workdir: Path) -> F
             proc = launch.spawn(launch.sim_argv("--mode", mode, "--model", MODEL, "--time-scale", "20"), log)
             procs.append(proc)
             sims.append(await launch.wait_ready(proc, log))
-        config = workdir / "specgate.toml"
-        config.write_text(
-            f'[models]\nserved = ["{MODEL}"]\n[pools.speculative]\nurls = ["{sims[0]}"]\n'
-            f'[pools.plain]\nurls = ["{sims[1]}"]\n[store]\nrefresh_ms = {refresh_ms:g}\n'
+        config = gateway_config(
+            workdir / "specgate.toml", MODEL, [sims[0]], [sims[1]], f"[store]\nrefresh_ms = {refresh_ms:g}\n"
         )
         gateways = []
         for i in range(2):

@@ -41,7 +41,7 @@ import aiohttp
 
 from specgate.bench.overhead import cpu_seconds, rss_mb
 from specgate.sim.requests import SCRIPTED_OUTPUT_FIELD
-from specgate.testing import sample_value
+from specgate.testing import gateway_config, sample_value
 from specgate.workers import launch
 
 MODEL = "m"
@@ -401,10 +401,8 @@ async def soak(args: argparse.Namespace, workdir: Path) -> tuple[Run, list[Plann
             argv = launch.sim_argv("--mode", mode, "--model", MODEL, "--time-scale", f"{args.time_scale:g}")
             procs.append(launch.spawn(argv, log))
             sims.append(await launch.wait_ready(procs[-1], log))
-        config = workdir / "specgate.toml"
-        config.write_text(
-            f'[models]\nserved = ["{MODEL}"]\n[pools.speculative]\nurls = ["{sims[0]}"]\n'
-            f'[pools.plain]\nurls = ["{sims[1]}"]\n[policy]\npolicy = "{args.policy}"\n'
+        config = gateway_config(
+            workdir / "specgate.toml", MODEL, [sims[0]], [sims[1]], f'[policy]\npolicy = "{args.policy}"\n'
         )
         log = workdir / "gateway.log"
         gateway = launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0"), log)

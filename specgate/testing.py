@@ -6,13 +6,14 @@ of Prometheus samples."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,15 @@ def draft_model(model: str, tokens: int = 3) -> dict[str, object]:
     tokens a step. It accepts few of them, so its steps cost more than a plain server's and gain
     next to nothing: speculation that loses."""
     return {"method": "draft_model", "model": model + DRAFT_SUFFIX, "num_speculative_tokens": tokens}
+
+
+def gateway_config(path: Path, model: str, speculative: Sequence[str], plain: Sequence[str], more: str = "") -> Path:
+    """A gateway's config at `path` serving `model` from these pools' replicas, with `more` TOML after."""
+    path.write_text(
+        f"[models]\nserved = {json.dumps([model])}\n[pools.speculative]\nurls = {json.dumps(list(speculative))}\n"
+        f"[pools.plain]\nurls = {json.dumps(list(plain))}\n{more}"
+    )
+    return path
 
 
 def free_port() -> int:

@@ -161,26 +161,17 @@ async def test_a_replica_that_breaks_the_exchange_raises_an_upstream_error(reply
             await read_all(connections, server.url)
 
 
-async def test_a_head_without_end_is_refused_not_buffered() -> None:
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-Filler-%d: %s\r\n" % (i, b"y" * 64) for i in range(10_000)),
+        b"HTTP/1.1 200 OK\r\nX-Endless: " + b"y" * 200_000,  # one header line without end
+    ],
+)
+async def test_a_head_without_end_is_refused_not_buffered(head: bytes) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await server.request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\n")
-        for i in range(10_000):
-            writer.write(b"X-Filler-%d: %s\r\n" % (i, b"y" * 64))
-        await writer.drain()
-        await reader.read()  # until the gateway hangs up
-
-    async with Server(serve) as server, pool() as connections:
-        with pytest.raises(UpstreamError, match="head past"):
-            await asyncio.wait_for(read_all(connections, server.url), 3.0)
-
-
-async def test_a_header_line_without_end_is_refused_too() -> None:
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nX-Endless: ")
-        for _ in range(200):
-            writer.write(b"y" * 1024)
+        writer.write(head)
         await writer.drain()
         await reader.read()  # until the gateway hangs up
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specgate.testing import stop_process
+from specgate.testing import gateway_config, stop_process
 from specgate.workers import launch
 from tests.test_gateway_http import MESSAGES, MODEL, SimFactory, sim
 
@@ -37,13 +37,11 @@ OTHER = ("content-type", "content-encoding", "transfer-encoding", "connection", 
 def gateway(sim_factory: SimFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     spec, plain = sim(sim_factory, "speculative"), sim(sim_factory, "plain")
     folder = tmp_path_factory.mktemp("fuzz")
-    config = folder / "specgate.toml"
-    config.write_text(
-        f'[models]\nserved = ["{MODEL}"]\n[pools.speculative]\nurls = ["{spec.url}"]\n'
-        f'[pools.plain]\nurls = ["{plain.url}"]\n'
+    config = gateway_config(
+        folder / "specgate.toml", MODEL, [spec.url], [plain.url],
         "[server]\nheader_timeout_ms = 1000\nbody_timeout_ms = 500\nmax_body_bytes = 65536\n"
-        '[admin]\ntoken = "fuzz-admin-token-0123456789"\n'
-    )
+        '[admin]\ntoken = "fuzz-admin-token-0123456789"\n',
+    )  # fmt: skip
     proc = launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0"), folder / "gw.log")
     try:
         url = _wait_ready(proc, folder / "gw.log")

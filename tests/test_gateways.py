@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from specgate.testing import SimProcess, sample_value
+from specgate.testing import SimProcess, gateway_config, sample_value
 from specgate.workers import launch
 
 MODEL = "sim-model"
@@ -42,10 +42,8 @@ async def test_a_gateway_killed_under_load_loses_only_its_own_requests(
     sim_factory: Callable[..., SimProcess], tmp_path: Path
 ) -> None:
     sims = [sim_factory("--mode", mode, "--model", MODEL, "--time-scale", "10") for mode in ("speculative", "plain")]
-    config = tmp_path / "specgate.toml"
-    config.write_text(
-        f'[models]\nserved = ["{MODEL}"]\n[pools.speculative]\nurls = ["{sims[0].url}"]\n'
-        f'[pools.plain]\nurls = ["{sims[1].url}"]\n[scrape]\ninterval_ms = 100\n'
+    config = gateway_config(
+        tmp_path / "specgate.toml", MODEL, [sims[0].url], [sims[1].url], "[scrape]\ninterval_ms = 100\n"
     )
     procs = [launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0"), tmp_path / f"{n}.log")
              for n in ("doomed", "survivor")]  # fmt: skip

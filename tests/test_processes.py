@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from specgate.cli.serve import ADMIN_TOKEN_ENV
-from specgate.testing import SimProcess
+from specgate.testing import SimProcess, gateway_config
 from specgate.workers import launch
 
 MODEL = "sim-model"
@@ -51,11 +51,7 @@ async def test_processes_share_the_port_and_count_each_others_requests(
     sim_factory: Callable[..., SimProcess], tmp_path: Path
 ) -> None:
     sims = [sim_factory("--mode", mode, "--model", MODEL, "--time-scale", "2") for mode in ("speculative", "plain")]
-    config = tmp_path / "specgate.toml"
-    config.write_text(
-        f'[models]\nserved = ["{MODEL}"]\n[pools.speculative]\nurls = ["{sims[0].url}"]\n'
-        f'[pools.plain]\nurls = ["{sims[1].url}"]\n'
-    )
+    config = gateway_config(tmp_path / "specgate.toml", MODEL, [sims[0].url], [sims[1].url])
     log = tmp_path / "gateway.log"
     argv = launch.specgate_argv("serve", "--config", str(config), "--port", "0", "--workers", "2")
     supervisor = launch.spawn(argv, log, env={ADMIN_TOKEN_ENV: TOKEN})

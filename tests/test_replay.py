@@ -11,7 +11,7 @@ from specgate.bench.offline import Fleetspec, Scenario, simulate
 from specgate.bench.replay import ReplaySettings, replay
 from specgate.bench.traces import TraceRequest, read_trace
 from specgate.calibration.profiles import A100_CODELLAMA_34B
-from specgate.testing import SimProcess
+from specgate.testing import SimProcess, gateway_config
 from specgate.workers import launch
 
 pytestmark = pytest.mark.slow
@@ -42,12 +42,10 @@ async def test_replay_through_the_gateway_agrees_with_the_offline_simulator(
     spec, plain = sim_factory("--mode", "speculative", *args), sim_factory("--mode", "plain", *args)
     # The gateway in a process of its own, as deployed: sharing the client's event loop would
     # add the client's delays to every latency it measures.
-    config = tmp_path / "specgate.toml"
-    config.write_text(
-        f'[models]\nserved = ["m"]\n[pools.speculative]\nurls = ["{spec.url}"]\n'
-        f'[pools.plain]\nurls = ["{plain.url}"]\n[policy]\npolicy = "{policy}"\n'
-        f"[scrape]\ninterval_ms = {250 / TIME_SCALE:g}\n"
-    )
+    config = gateway_config(
+        tmp_path / "specgate.toml", "m", [spec.url], [plain.url],
+        f'[policy]\npolicy = "{policy}"\n[scrape]\ninterval_ms = {250 / TIME_SCALE:g}\n',
+    )  # fmt: skip
     log = tmp_path / "gateway.log"
     gateway = launch.spawn([*launch.sim_argv()[:3], "serve", "--config", str(config), "--port", "0"], log)
     try:
