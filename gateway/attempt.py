@@ -229,7 +229,7 @@ class Attempt:
 
     def _response_headers(self, upstream: UpstreamResponse) -> CIMultiDict[str]:
         route = self._route_headers()
-        dropped = hop_by_hop(upstream.headers) | {"date", "server"}
+        dropped = hop_by_hop(upstream.headers, _OURS)
         out: CIMultiDict[str] = CIMultiDict()
         for name, value in upstream.headers.items():
             lower = name.lower()
@@ -349,6 +349,8 @@ class Attempt:
         return stream.response
 
 
+_OURS = frozenset({"date", "server"})
+"""Response headers the gateway's server writes itself."""
 BUSY_S = 1.0
 """How long a replica that answered 429 without a Retry-After is left alone."""
 

@@ -7,6 +7,7 @@ the headers it is sent upstream with, and the replicas tried so far.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -58,21 +59,28 @@ CREDENTIALS = frozenset({"authorization", "api-key", "x-api-key", "cookie"})
 """The client's credentials: passed on only when the config says the replicas share them."""
 DECODED = frozenset({"content-encoding"})
 """The body is forwarded as aiohttp decoded it: its encoding no longer applies."""
+_NOT_FORWARDED = DECODED | {REQUEST_ID, "x-forwarded-for"}
+"""Replaced by the gateway's own."""
 
 
-def hop_by_hop(headers: CIMultiDictProxy[str]) -> frozenset[str]:
+def hop_by_hop(headers: CIMultiDictProxy[str], also: frozenset[str] = frozenset()) -> frozenset[str]:
     """The connection-level headers of a message: the standard ones, and those its `Connection`
-    header names (RFC 9110 section 7.6.1)."""
+    header names (RFC 9110 section 7.6.1); with `also`, those too."""
+    if "connection" not in headers:  # the common case: no set to build
+        return _hop_by_hop_and(also)
     named = {token.strip().lower() for value in headers.getall("connection", ()) for token in value.split(",")}
-    return HOP_BY_HOP | named
+    return HOP_BY_HOP | also | named
+
+
+@functools.cache
+def _hop_by_hop_and(also: frozenset[str]) -> frozenset[str]:
+    return HOP_BY_HOP | also
 
 
 def upstream_headers(request: web.Request, request_id: str, *, forward_authorization: bool) -> CIMultiDict[str]:
     """The client's headers as a replica gets them: without hop-by-hop ones (and credentials,
     unless allowed), with our request id and the client's address added to X-Forwarded-For."""
-    dropped = hop_by_hop(request.headers) | DECODED | {REQUEST_ID, "x-forwarded-for"}
-    if not forward_authorization:
-        dropped |= CREDENTIALS
+    dropped = hop_by_hop(request.headers, _NOT_FORWARDED if forward_authorization else _NOT_FORWARDED | CREDENTIALS)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in request.headers.items():
         if name.lower() not in dropped:

@@ -157,8 +157,10 @@ class Relay:
         limit = self.settings.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise BodyTooLarge(f"request body exceeds {limit} bytes")  # at once: not after reading it
+        # A body already whole (the common case: it came with the headers) arms no timer.
+        wait_s = None if request.content.is_eof() else self.settings.limits.body_timeout_s
         try:
-            async with asyncio.timeout(self.settings.limits.body_timeout_s):
+            async with asyncio.timeout(wait_s):
                 raw = await request.read()
         except TimeoutError:
             raise BodyTimeout(
