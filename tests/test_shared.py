@@ -163,3 +163,18 @@ def test_each_process_fits_the_step_costs_from_every_processs_answers(counts_fil
     assert mine.scales.decode == pytest.approx(alone.scales.decode, rel=1e-9)
     assert mine.scales.decode > 1.3  # learned from the other process's answers (the prior holds it back)
     assert second.fits[Pool.SPECULATIVE].scales.decode == 1.0  # the other pool's fit: untouched
+
+
+def test_a_restarted_process_counts_in_the_share_again(counts_file: Path) -> None:
+    first, second = fleets(counts_file)
+    scrape(second, 0.0)
+    for _ in range(3):
+        by_url(first, A).dispatched_one(10, now=0.0, stream=False)  # counted in the share when sent
+    scrape(second, 0.0)
+    assert second.share.own == 3
+    again = Fleet({Pool.PLAIN: [A, B]}, SETTINGS, SharedCounts(counts_file, 2, 0))  # its row starts afresh
+    for sent in (2, 2):
+        for _ in range(sent):
+            by_url(again, A).dispatched_one(10, now=0.0, stream=False)
+        scrape(second, 0.0)
+    assert second.share.own == 5  # the first two after the restart are missed, none after them

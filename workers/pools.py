@@ -428,8 +428,9 @@ class Replica:
             self.crowded_at = now
         self._dispatched_at_scrape = dispatched_at_send
         others = self._others(now)
-        if others is not None and others.sent > self._others_sent:  # the other processes' requests, in the share
-            self.share.sent(now, others.sent - self._others_sent)
+        if others is not None:  # the other processes' requests, in the share (fewer: one restarted)
+            if others.sent > self._others_sent:
+                self.share.sent(now, others.sent - self._others_sent)
             self._others_sent = others.sent
         if load.spec is not None:
             if self._last_spec is not None:
