@@ -33,7 +33,7 @@ SLOTS = 256
 FIELDS = 12
 # The fields of a slot, in 8-byte words: its key (a signed 64-bit hash of the URL, 0 when free),
 # then floats.
-_KEY, _IN_FLIGHT, _PREFILLING, _PREFILL_TOKENS, _DISPATCHED, _SENT = range(6)
+_IN_FLIGHT, _PREFILLING, _PREFILL_TOKENS, _DISPATCHED, _SENT = range(1, 6)
 _RATES = 6
 """Two decaying rates (window, burst) of three words each: prompts, tokens, and when they were last added to."""
 
@@ -47,8 +47,9 @@ _BASIS, _FITTED, _XX = range(3)
 _XY = _XX + 16
 
 
-def url_key(url: str) -> int:
-    key = int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "little", signed=True)
+def key_of(text: str) -> int:
+    """A replica's URL, or a profile's name, as one nonzero 64-bit word."""
+    key = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
     return key or 1
 
 
@@ -70,8 +71,8 @@ class Others:
 
 
 class SharedCounts:
-    """The mapped file: `processes` rows of `SLOTS` slots. Made once by the supervisor (`create`),
-    opened by each process (`open`)."""
+    """The mapped file: `processes` rows of `SLOTS` slots, then each process's fits. Made once by
+    the supervisor (`create`); opened by each process here, which clears its row and its fits."""
 
     def __init__(self, path: Path, processes: int, index: int) -> None:
         self.path = path
@@ -103,7 +104,7 @@ class SharedCounts:
 
     def slot(self, url: str) -> SharedSlot:
         """This process's slot for the replica at `url` (taken, zeroed, if it has none)."""
-        key = url_key(url)
+        key = key_of(url)
         row = self.index * SLOTS
         free = None
         for slot in range(row + 1, row + SLOTS):
@@ -230,11 +231,11 @@ class SharedFit:
             words[base + _XY + i] = xy[i]
             for j in range(4):
                 words[base + _XX + 4 * i + j] = xx[i][j]
-        self.counts.keys[base + _BASIS] = url_key(basis)
+        self.counts.keys[base + _BASIS] = key_of(basis)
 
     def summed(self, basis: str) -> tuple[int, list[list[float]], list[float]]:
         """The other processes' answers fitted and sums, of those fitted against `basis`."""
-        words, keys, key = self.counts.words, self.counts.keys, url_key(basis)
+        words, keys, key = self.counts.words, self.counts.keys, key_of(basis)
         fitted, xx, xy = 0, [[0.0] * 4 for _ in range(4)], [0.0] * 4
         for base in self.others:
             if keys[base + _BASIS] != key:
