@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -29,6 +29,8 @@ HIGH_WATER = 256 << 10
 MAX_HEAD_BYTES = 64 << 10
 """A response head longer than this is not one."""
 KEEPALIVE_S = 4.0
+MAX_HOSTS = 4096
+"""Base URLs whose parts are kept parsed."""
 
 
 class UpstreamError(Exception):
@@ -46,9 +48,11 @@ _Key = tuple[str, str, int]
 class _Connection(asyncio.Protocol):
     """One connection, carrying one exchange at a time; `httptools` calls its `on_*` methods."""
 
-    def __init__(self, owner: Connections, pool: list[_Connection]) -> None:
+    def __init__(self, owner: Connections, key: _Key) -> None:
         self.owner = owner
-        self.pool = pool
+        self.key = key
+        self.pool: list[_Connection] | None = None
+        """The idle connections to its host it is kept among, while it is."""
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
@@ -82,7 +86,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        if self in self.pool:
+        if self.pool is not None and self in self.pool:
             self.pool.remove(self)
         response, self.response = self.response, None
         if response is not None:
@@ -282,8 +286,9 @@ class Connections:
         self._tls: ssl.SSLContext | None = None
         self._sweep: asyncio.TimerHandle | None = None
 
-    async def post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
-        """Send a POST to `base_url` + `path`; its answer once its status and headers are in.
+    async def post(self, base_url: str, path: str, body: bytes, headers: CIMultiDict[str]) -> UpstreamResponse:
+        """Send a POST to `base_url` + `path` with `headers` (without Host and Content-Length: this
+        sets them; Content-Type is JSON unless they say); its answer once its status and headers are in.
         Raises ConnectFailed when no connection could be made, UpstreamError when the replica
         broke the exchange before its head was in."""
         key, host, prefix = self._where(base_url)
@@ -306,6 +311,8 @@ class Connections:
     def _where(self, base_url: str) -> tuple[_Key, str, str]:
         where = self._hosts.get(base_url)
         if where is None:
+            if len(self._hosts) >= MAX_HOSTS:  # replicas come and go (discovery): forget the old ones
+                self._hosts.clear()
             parts = urlsplit(base_url)
             scheme, hostname = parts.scheme, parts.hostname or ""
             port = parts.port or (443 if scheme == "https" else 80)
@@ -314,10 +321,11 @@ class Connections:
         return where
 
     async def _connection(self, key: _Key) -> _Connection:
-        pool = self._pools.setdefault(key, [])
+        pool = self._pools.get(key, [])
         now = time.monotonic()
         while pool:
             connection = pool.pop()
+            connection.pool = None
             if connection.reusable(now, self.keepalive_s):
                 return connection
             connection.abort()
@@ -326,7 +334,7 @@ class Connections:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, connection = await loop.create_connection(lambda: _Connection(self, pool), host, port, ssl=tls)
+                _, connection = await loop.create_connection(lambda: _Connection(self, key), host, port, ssl=tls)
         except (OSError, TimeoutError, ssl.SSLError) as exc:
             raise ConnectFailed(f"cannot connect to {host}:{port}: {exc!r}") from None
         return connection
@@ -334,6 +342,7 @@ class Connections:
     def idle(self, connection: _Connection) -> None:
         """Keep a connection whose exchange ended cleanly for the next request to its host."""
         connection.idle_since = time.monotonic()
+        connection.pool = self._pools.setdefault(connection.key, [])
         connection.pool.append(connection)
         if self._sweep is None:
             self._sweep = asyncio.get_running_loop().call_later(self.keepalive_s, self._close_idle)
@@ -345,8 +354,11 @@ class Connections:
         for pool in self._pools.values():
             for connection in [c for c in pool if not c.reusable(now, self.keepalive_s)]:
                 pool.remove(connection)
+                connection.pool = None
                 connection.abort()
             kept += len(pool)
+        for key in [key for key, pool in self._pools.items() if not pool]:  # hosts gone, or idle a while
+            del self._pools[key]
         if kept:
             self._sweep = asyncio.get_running_loop().call_later(self.keepalive_s / 2, self._close_idle)
 
@@ -362,5 +374,6 @@ class Connections:
             self._sweep = None
         for pool in self._pools.values():
             for connection in list(pool):
+                connection.pool = None
                 connection.abort()
             pool.clear()

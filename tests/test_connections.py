@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+from multidict import CIMultiDict
 
 from specgate.gateway.connections import HIGH_WATER, ConnectFailed, Connections, UpstreamError
 
@@ -72,7 +73,7 @@ async def pool(keepalive_s: float = 4.0) -> AsyncIterator[Connections]:
 
 
 async def read_all(connections: Connections, url: str, path: str = "/v1/x", body: bytes = b"{}") -> tuple[int, bytes]:
-    response = await connections.post(url, path, body, {"X-Request-Id": "r1"})
+    response = await connections.post(url, path, body, CIMultiDict({"X-Request-Id": "r1"}))
     data = b"".join([chunk async for chunk in response.iter_any()])
     response.release()
     return response.status, data
@@ -121,7 +122,7 @@ async def test_a_chunked_stream_arrives_as_it_is_sent() -> None:
         await writer.drain()
 
     async with Server(serve) as server, pool() as connections:
-        response = await connections.post(server.url, "/v1/x", b"{}", {})
+        response = await connections.post(server.url, "/v1/x", b"{}", CIMultiDict())
         assert response.content_type == "text/event-stream"
         assert await response.readany() == b"data: 1"  # before the replica sent the rest
         go_on.set()
@@ -242,7 +243,7 @@ async def test_a_slow_reader_pauses_the_replica_instead_of_buffering() -> None:
             sent += len(block)
 
     async with Server(serve) as server, pool() as connections:
-        response = await connections.post(server.url, "/v1/x", b"{}", {})
+        response = await connections.post(server.url, "/v1/x", b"{}", CIMultiDict())
         await asyncio.sleep(0.5)  # the client reads nothing meanwhile
         assert sent < 8 << 20  # the replica was held back by the socket, not drained into memory
         biggest = received = 0
@@ -262,7 +263,7 @@ async def test_closing_an_answer_midway_hangs_up_on_the_replica() -> None:
         await reader.read()  # until the gateway hangs up
 
     async with Server(serve) as server, pool() as connections:
-        response = await connections.post(server.url, "/v1/x", b"{}", {})
+        response = await connections.post(server.url, "/v1/x", b"{}", CIMultiDict())
         assert await response.readany() == b"hello"
         response.close()
         await asyncio.wait_for(server.disconnected.wait(), 2.0)
@@ -274,7 +275,7 @@ async def test_cancelled_while_waiting_for_the_head_hangs_up() -> None:
         await reader.read()
 
     async with Server(serve) as server, pool() as connections:
-        task = asyncio.create_task(connections.post(server.url, "/v1/x", b"{}", {}))
+        task = asyncio.create_task(connections.post(server.url, "/v1/x", b"{}", CIMultiDict()))
         await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -292,3 +293,19 @@ async def test_idle_connections_close_on_their_own() -> None:
     async with Server(serve) as server, pool(keepalive_s=0.1) as connections:
         await read_all(connections, server.url)
         await asyncio.wait_for(server.disconnected.wait(), 1.0)  # no request came to close it
+
+
+async def test_a_connection_busy_while_its_host_was_swept_is_kept_for_the_next_request() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            request = await server.request(reader)
+            if b"/slow" in request.split(b"\r\n", 1)[0]:
+                await asyncio.sleep(0.3)  # the idle connections are swept meanwhile (none left)
+            writer.write(answer(b"{}"))
+            await writer.drain()
+
+    async with Server(serve) as server, pool(keepalive_s=0.1) as connections:
+        await read_all(connections, server.url)
+        await read_all(connections, server.url, "/slow")
+        await read_all(connections, server.url)
+        assert server.connections == 1
