@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,8 +24,14 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def children(pid: int) -> set[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
-    return {int(p) for p in out.stdout.split()}
+    """The live child processes of `pid`, from /proc."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(stat.parent.name))
+    return found
 
 
 async def stream(url: str, started: asyncio.Event) -> bool:
