@@ -20,8 +20,6 @@ from specgate.policies.features import RequestFeatures
 from specgate.workers.pools import Fleet
 
 REVIEW_INTERVAL_S = 0.05
-PEER_POLL_S = 0.005
-"""With several processes: how often a process holding requests looks whether another ended one."""
 
 _log = logging.getLogger(__name__)
 
@@ -84,23 +82,9 @@ class AdmissionControl:
         """Until cancelled: review the queue while it holds requests, at once when kicked."""
         while True:
             if len(self.queue):
-                await self._next_review()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), REVIEW_INTERVAL_S)
             else:
                 await self._wake.wait()
             self._wake.clear()
             await self.review()
-
-    async def _next_review(self) -> None:
-        """Until kicked (a request of this process ended), REVIEW_INTERVAL_S passed, or, with
-        several processes (`specgate serve --workers`), a request of another one ended: the room it
-        left is the held requests' as much as its own process's."""
-        shared = self.fleet.shared
-        if shared is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), REVIEW_INTERVAL_S)
-            return
-        seen = shared.ended_elsewhere()
-        deadline = time.monotonic() + REVIEW_INTERVAL_S
-        while time.monotonic() < deadline and not self._wake.is_set() and shared.ended_elsewhere() == seen:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), PEER_POLL_S)

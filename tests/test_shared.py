@@ -1,8 +1,7 @@
-"""One gateway's processes counting each other's requests, and sharing their fits, through the shared file."""
+"""One gateway's processes counting each other's requests through the shared file."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +9,6 @@ from pathlib import Path
 import pytest
 
 from specgate.calibration.modes import Pool
-from specgate.gateway import admission
-from specgate.gateway.admission import AdmissionControl
-from specgate.gateway.metrics import GatewayMetrics
 from specgate.workers.latency_fit import LatencyFit, Priced
 from specgate.workers.pools import Fleet, FleetSettings, Replica
 from specgate.workers.scrape import VllmLoad
@@ -182,29 +178,3 @@ def test_a_restarted_process_counts_in_the_share_again(counts_file: Path) -> Non
             by_url(again, A).dispatched_one(10, now=0.0, stream=False)
         scrape(second, 0.0)
     assert second.share.own == 5  # the first two after the restart are missed, none after them
-
-
-def test_a_request_ended_in_one_process_is_seen_by_the_others(counts_file: Path) -> None:
-    first, second = fleets(counts_file)
-    assert second.shared is not None
-    before = second.shared.ended_elsewhere()
-    replica = by_url(first, A)
-    replica.dispatched_one(10, now=0.0)
-    assert second.shared.ended_elsewhere() == before
-    replica.finished(got_first_byte=False, prompt_tokens=10, now=0.0)
-    assert second.shared.ended_elsewhere() == before + 1
-
-
-async def test_held_requests_are_reviewed_when_another_process_ends_one(
-    counts_file: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Not only at the next interval: the room another process's request left is theirs too."""
-    monkeypatch.setattr(admission, "REVIEW_INTERVAL_S", 30.0)
-    first, second = fleets(counts_file)
-    control = AdmissionControl(second, GatewayMetrics(second))
-    waiting = asyncio.create_task(control._next_review())
-    await asyncio.sleep(0.05)
-    assert not waiting.done()
-    by_url(first, A).dispatched_one(10, now=0.0)
-    by_url(first, A).finished(got_first_byte=False, prompt_tokens=10, now=0.0)
-    await asyncio.wait_for(waiting, timeout=5.0)  # long before the interval's 30 s

@@ -337,8 +337,6 @@ class Replica:
         if not got_first_byte:  # no first token the share would count
             self._prefilled(prompt_tokens)
         self._publish()
-        if self.shared is not None:
-            self.shared.counts.ended()
 
     def counted_share(self) -> float:
         """What this gateway's own counts are divided by to be the fleet's (`Share`)."""

@@ -29,10 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SLOTS = 256
-"""Slots of a row: the first holds the row's generation and its requests ended, the others one
-replica each."""
-_ENDED = 1
-"""The word of a row's first slot that counts the process's requests ended (on any replica)."""
+"""Slots of a row: the first holds the row's generation, the others one replica each."""
 FIELDS = 12
 # The fields of a slot, in 8-byte words: its key (a signed 64-bit hash of the URL, 0 when free),
 # then floats.
@@ -132,14 +129,6 @@ class SharedCounts:
         return SharedFit(
             self, [self._fit_base(p, number) for p in range(self.processes)], self._fit_base(self.index, number)
         )
-
-    def ended(self) -> None:
-        """One of this process's requests ended: room on a replica, for the others' held requests."""
-        self.words[self.index * SLOTS * FIELDS + _ENDED] += 1.0
-
-    def ended_elsewhere(self) -> float:
-        """The other processes' requests ended, all told (it changes when one ends)."""
-        return sum(self.words[p * SLOTS * FIELDS + _ENDED] for p in range(self.processes) if p != self.index)
 
     def generation(self, process: int) -> int:
         """How often `process`'s replicas have changed."""
