@@ -170,6 +170,10 @@ class LatencyModel:
             fixed = self.step_ms(pool, 1, 0)
             decode = self.step_ms(pool, decode_seqs, context)
             full = self.step_ms(pool, decode_seqs, context, prefill_tokens) if prefill_tokens else decode
+            # A step with no sequence decoding (a prompt alone) costs less than the fixed step of
+            # one: its fixed part is all it costs, so that no part is negative (a scaled negative
+            # part would price a step, and a TTFT, below nothing).
+            fixed = min(fixed, decode)
             if len(self._terms_memo) >= MEMO_SIZE:
                 self._terms_memo.clear()
             terms = self._terms_memo[key] = (fixed, decode - fixed, full - decode)

@@ -89,6 +89,19 @@ def test_a_prediction_is_the_sum_of_its_scaled_terms(pool: Pool) -> None:
         assert predicted_ms(scales, p.terms.tpot) * scales.tpot_factor == pytest.approx(p.tpot_ms, rel=1e-9)
 
 
+@pytest.mark.parametrize("pool", list(Pool))
+def test_no_part_of_a_step_is_negative_so_no_scale_prices_a_step_below_nothing(pool: Pool) -> None:
+    """An idle replica prefills a prompt in a step with no sequence decoding, which costs less than
+    the fixed step of one; priced as a negative decode part, a fleet that fitted a large decode
+    scale (3x here) predicted a negative TTFT (Hypothesis found -33.7 ms on a speculative one)."""
+    model = LatencyModel(A100_CODELLAMA_34B)
+    for prompt in (0, 1, 40, 4000):
+        for scales in (Scales(1.0, 3.0, 1.0, 0.0), Scales(0.2, 5.0, 0.2, 0.0), Scales(5.0, 0.2, 5.0, 0.0)):
+            p = model.predict(idle(pool, scales=scales), replace(FEATURES, prompt_tokens=prompt))
+            assert min(p.terms.ttft) >= 0
+            assert p.ttft_ms > 0
+
+
 def _state(rng: random.Random, pool: Pool) -> ReplicaState:
     """A replica as traffic leaves it: some requests on it, prompts queued and arriving."""
     queued = rng.choice((0, 0, rng.randrange(100, 6000)))
