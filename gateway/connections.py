@@ -92,12 +92,6 @@ class _Connection(asyncio.Protocol):
         if response is not None:
             response.lost(exc)
 
-    def pause_writing(self) -> None:  # a body of a few MiB at most: the kernel buffers it
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # httptools
 
     def on_message_begin(self) -> None:
