@@ -7,9 +7,10 @@ see a fraction of what the fleet is asked, and between scrapes they can all send
 that looked idle: the herd effect. Each gateway here has its own accounting, scrapes at moments of
 its own, its own step-cost fits, learned lengths and admission queue, as separate processes do.
 Measured with each gateway counting its requests as its share of the fleet's (`workers.pools.Share`,
-the default) and counting only its own (the gateway before it), on grid cells (`bench.grid`) at
-three loads and several seeds: the adaptive policy's SLO attainment, and its difference to one
-gateway, per point and on average.
+the default), counting only its own (the gateway before it), and counting every gateway's as they
+are sent through shared counts (`workers.shared`, as the processes of one `specgate serve
+--workers` gateway do), on grid cells (`bench.grid`) at three loads and several seeds: the
+adaptive policy's SLO attainment, and its difference to one gateway, per point and on average.
 
 With `--http`, the same over HTTP: 1, 3 and 6 `specgate serve` processes in front of 2+2
 `specgate sim` replicas (the base cell's fleet and profile, in real time), a slice of the
@@ -52,8 +53,10 @@ CELLS = (
 LOADS = (0.5, 1.0, 2.0)
 GATEWAYS = (1, 3, 6)
 PROCESSES = (1, 4)
-COUNTING = ("share", "own")
-"""How a gateway counts its requests on a replica: as its share of the fleet's, or as they are."""
+COUNTING = ("shared", "share", "own")
+"""How a gateway counts the requests on a replica: with every other gateway's as they are sent
+(shared counts, as the processes of one gateway keep them), its own as its share of the fleet's,
+or its own alone."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def trace_path(traces: Path, cell: Cell) -> Path:
 def run(job: Job) -> dict[str, Any]:
     trace = loaded(job.cell, trace_path(Path(job.traces), job.cell), job.requests, job.seed, job.load)
     setting = replace(scenario(job.cell, job.policy, job.seed), gateways=job.gateways,
-                      count_share=job.counting == "share")  # fmt: skip
+                      count_share=job.counting != "own", shared_counts=job.counting == "shared")  # fmt: skip
     summary = simulate(trace, setting).summary()
     return {"cell": job.cell.label, "load": job.load, "gateways": job.gateways, "counting": job.counting,
             "policy": job.policy, "seed": job.seed, **summary}  # fmt: skip

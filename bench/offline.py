@@ -38,6 +38,7 @@ from specgate.sim.outcomes import StepResult
 from specgate.workers.acceptance import SpecCounters
 from specgate.workers.pools import Fleet, FleetSettings, Replica, Stay
 from specgate.workers.scrape import VllmLoad
+from specgate.workers.shared import SharedCounts
 from specgate.workers.snapshot import ReplicaState, Scales
 
 MODEL = "model"
@@ -107,6 +108,10 @@ class Scenario:
     balancer. More than one shows what they do not see of each other (the herd effect)."""
     count_share: bool = True
     """Each gateway counts its requests as its share of the fleet's (`workers.pools.Share`)."""
+    shared_counts: bool = False
+    """The gateways count one another's requests as they are sent and fit the step costs from one
+    another's answers, through the shared counts the processes of one gateway keep
+    (`workers.shared`): the gateways of several processes of `specgate serve --workers`."""
 
     def slo_for(self, request_class: str) -> SloTargets:
         return self.slo_classes.get(request_class) or SloTargets(self.slo_ttft_ms, self.slo_tpot_ms)
@@ -256,7 +261,14 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         scrape_interval_s=scenario.scrape_interval_s, refit=scenario.refit, count_share=scenario.count_share
     )
     gateways = range(scenario.gateways)
-    fleets = [Fleet(pools, settings) for _ in gateways]
+    shared: list[SharedCounts | None] = [None] * scenario.gateways
+    if scenario.shared_counts:
+        path = SharedCounts.create(scenario.gateways)
+        try:
+            shared = [SharedCounts(path, scenario.gateways, g) for g in gateways]
+        finally:
+            path.unlink()  # (mapped, it lives as long as they do)
+    fleets = [Fleet(pools, settings, shared[g]) for g in gateways]
     fleet = fleets[0]  # every gateway's holds the same replicas, under the same names
     sims: dict[str, _SimReplica] = {}
     for i, (name, replica) in enumerate(fleet.replicas.items()):
@@ -296,7 +308,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
                 spec=spec if engine.speculative else None,
                 first_tokens=c.first_tokens,
             )
-            replica.scraped(load, now, replica.dispatched)
+            fleets[gateway].scraped(replica, load, now, replica.dispatched_by_gateway(now))
 
     def arrive(index: int, request: TraceRequest) -> None:
         nonlocal arrivals_left

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,41 @@ def test_a_restarted_process_counts_in_the_share_again(counts_file: Path) -> Non
             by_url(again, A).dispatched_one(10, now=0.0, stream=False)
         scrape(second, 0.0)
     assert second.share.own == 5  # the first two after the restart are missed, none after them
+
+
+def test_the_correction_factors_follow_every_processs_answers_one_after_another(counts_file: Path) -> None:
+    """Each process moves the factors as the others last left them: two processes answering in
+    turn end where one process with all their answers ends."""
+    first, second = (fleet.fits[Pool.PLAIN] for fleet in fleets(counts_file))
+    alone = FleetSettings().latency_fit()
+    priced = Priced("profile", (20.0, 0.0, 30.0, 1.0), (10.0, 2.0, 0.0, 0.0), (10.0, 2.0, 0.0, 0.0))
+    for i in range(40):  # TTFTs twice what the profile says, not fitted (a queue was ahead of them)
+        queued = replace(priced, queued=True)
+        (first if i % 2 == 0 else second).observe(100.0, None, queued)
+        alone.observe(100.0, None, queued)
+    assert alone.scales.ttft_factor > 1.5
+    for mine in (first, second):
+        mine.refresh()
+        assert mine.scales.ttft_factor == pytest.approx(alone.scales.ttft_factor, rel=1e-9)
+
+
+def test_a_gateway_among_others_weighs_each_answer_for_those_it_does_not_see() -> None:
+    priced = Priced("profile", (20.0, 0.0, 30.0, 1.0), (10.0, 2.0, 0.0, 0.0), (10.0, 2.0, 0.0, 0.0), queued=True)
+    one, third = FleetSettings().latency_fit(), FleetSettings().latency_fit()
+    for _ in range(30):
+        one.observe(100.0, None, priced)
+    for _ in range(10):
+        third.observe(100.0, None, priced, weight=3.0)  # one gateway of three: a third of the answers
+    assert third.scales.ttft_factor == pytest.approx(one.scales.ttft_factor, rel=0.1)
+    assert third.scales.ttft_factor > 1.5
+
+
+def test_the_batch_an_answer_decoded_beside_counts_the_other_processes_requests(counts_file: Path) -> None:
+    first, second = fleets(counts_file)
+    mine, theirs = by_url(first, A), by_url(second, A)
+    for _ in range(3):
+        theirs.dispatched_one(10, now=0.0)
+    stay = mine.dispatched_one(10, now=0.0)
+    assert mine.request_seconds(2.0) - stay.request_seconds == pytest.approx(8.0)  # 4 requests for 2 s
+    theirs.finished(got_first_byte=True, now=1.0)
+    assert mine.request_seconds(2.0) - stay.request_seconds == pytest.approx(7.0)

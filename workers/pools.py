@@ -272,13 +272,17 @@ class Replica:
 
     # --- the gateway's own accounting ---------------------------------------------------------
 
-    def request_seconds(self, now: float) -> float:
-        """The gateway's requests on it, integrated over time."""
+    def _own_request_seconds(self, now: float) -> float:
         return self._requests[0] + self.in_flight * max(now - self._requests[1], 0.0)
+
+    def request_seconds(self, now: float) -> float:
+        """The gateway's requests on it (all its processes'), integrated over time."""
+        others = self._others(now)
+        return self._own_request_seconds(now) + (others.request_seconds if others is not None else 0.0)
 
     def _count(self, change: int, now: float | None) -> None:
         at = time.monotonic() if now is None else now
-        self._requests = (self.request_seconds(at), max(at, self._requests[1]))
+        self._requests = (self._own_request_seconds(at), max(at, self._requests[1]))
         self.in_flight += change
 
     def dispatched_one(self, prompt_tokens: int = 0, now: float | None = None, *, stream: bool = True) -> Stay:
@@ -300,7 +304,8 @@ class Replica:
     def _publish(self) -> None:
         if self.shared is not None:
             rates = tuple((r.prompts, r.tokens, r.at) for r in self._rates)
-            self.shared.publish(self.in_flight, self.prefilling, self.prefill_tokens, self.dispatched, self.sent, rates)
+            self.shared.publish(self.in_flight, self.prefilling, self.prefill_tokens, self.dispatched, self.sent, rates,
+                                self._requests)  # fmt: skip
 
     def _others(self, now: float) -> Others | None:
         if self.shared is None:
@@ -367,14 +372,16 @@ class Replica:
             end = time.monotonic() if now is None else now
             if end > stay.sent:  # all the fleet's requests, as far as this gateway's share tells
                 in_flight = (self.request_seconds(end) - stay.request_seconds) / (end - stay.sent)
-                in_flight /= self.counted_share()
+                # (at least itself: a process of the gateway restarted meanwhile takes its requests back)
+                in_flight = max(in_flight / self.counted_share(), 1.0)
             # uncrowded at the scrape before it was sent, and at every one since
             steady = self.crowded_at < stay.sent - self.settings.scrape_interval_s
 
         def ms(seconds: float | None) -> float | None:
             return seconds * 1e3 if seconds is not None else None
 
-        self.fit.observe(ms(ttft_s), ms(tpot_s), terms, in_flight, steady=steady, step_ms=ms(step_s))
+        self.fit.observe(ms(ttft_s), ms(tpot_s), terms, in_flight, steady=steady, step_ms=ms(step_s),
+                         weight=1.0 / self.counted_share())  # fmt: skip
 
     # --- health -------------------------------------------------------------------------------
 
@@ -626,6 +633,12 @@ class Fleet:
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.replicas.values())
 
+    def scraped(self, replica: Replica, load: VllmLoad, now: float, dispatched_at_send: float) -> None:
+        """A scrape of `replica` answered with `load` (`dispatched_at_send`: `dispatched_by_gateway`
+        when it was sent)."""
+        replica.scraped(load, now, dispatched_at_send)
+        self.fits[replica.pool].refresh()  # what the other processes fitted meanwhile
+
     async def scrape_once(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         dispatched = replica.dispatched_by_gateway(time.monotonic())
         timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
@@ -638,8 +651,7 @@ class Fleet:
             replica.scrape_failed(f"scrape failed: {exc!r}")
             return
         was_admitted = replica.healthy
-        replica.scraped(load, time.monotonic(), dispatched)
-        self.fits[replica.pool].refresh()  # what the other processes fitted meanwhile
+        self.scraped(replica, load, time.monotonic(), dispatched)
         if replica.healthy and not was_admitted:  # (re)admitted: it may have restarted with other flags
             replica.max_model_len = await _max_model_len(session, replica.url, timeout)
 
