@@ -70,6 +70,8 @@ class AdmissionQueue(Generic[H]):
     settings: Admission = field(default_factory=Admission)
     _entries: dict[H, _Entry[H]] = field(default_factory=dict)
     _order: itertools.count[int] = field(default_factory=itertools.count)
+    _out_of_reach: set[H] = field(default_factory=set)
+    """Requests the policy placed best-effort though their target had not passed: out of reach."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -87,6 +89,7 @@ class AdmissionQueue(Generic[H]):
     def remove(self, handle: H) -> None:
         """Forget a request (its client left)."""
         self._entries.pop(handle, None)
+        self._out_of_reach.discard(handle)
 
     def next_give_up(self) -> float | None:
         """The earliest time a held request is due to be refused."""
@@ -101,17 +104,21 @@ class AdmissionQueue(Generic[H]):
         meanwhile).
 
         Requests whose TTFT target has passed are offered the fleet only when every request that
-        can still meet its own is placed: capacity goes first to requests it can still save. At
-        most `budget` requests are asked, and none more once `patience` in a row were held (the
-        fleet is full for them)."""
+        can still meet its own is placed: capacity goes first to requests it can still save. So
+        are those the policy found out of reach before their target passed (it would have placed
+        them best-effort), and they are not asked again before the others: under overload the
+        queue's head is full of them, and asking each at every review spent the review's budget
+        before any request behind them was asked. At most `budget` requests are asked, and none
+        more once `patience` in a row were held (the fleet is full for them)."""
         live: list[_Entry[H]] = []
         lost: list[_Entry[H]] = []
         for entry in sorted(self._entries.values(), key=lambda e: e.order):
             if now >= entry.give_up:
                 del self._entries[entry.handle]
+                self._out_of_reach.discard(entry.handle)
                 yield entry.handle, Shed(DEADLINE, 1.0, "no replica could serve it in time")
             else:
-                (lost if now >= entry.deadline else live).append(entry)
+                (lost if now >= entry.deadline or entry.handle in self._out_of_reach else live).append(entry)
         asked = held = 0
         waiting = False
         """A request that can still meet its target is held: the lost ones wait for capacity."""
@@ -130,7 +137,9 @@ class AdmissionQueue(Generic[H]):
                     continue
                 if phase == "live" and isinstance(verdict, Decision) and verdict.best_effort:
                     lost.append(entry)  # out of reach after all: after those that are not
+                    self._out_of_reach.add(entry.handle)
                     continue
                 held = 0
                 del self._entries[entry.handle]
+                self._out_of_reach.discard(entry.handle)
                 yield entry.handle, verdict

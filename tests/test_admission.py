@@ -104,3 +104,32 @@ def test_capacity_goes_first_to_requests_that_can_still_meet_their_targets() -> 
     queue.hold("a", FEATURES, arrived=0.0)
     queue.hold("b", replace(FEATURES, slo_ttft_ms=1500.0), arrived=0.0)
     assert [h for h, _ in queue.review(0.5, out_of_reach)] == ["a", "b"]
+
+
+def test_requests_found_out_of_reach_wait_behind_the_others_and_are_not_asked_again_first() -> None:
+    """Under overload the queue's head fills with requests that no replica could serve in time
+    even idle: asked once, they wait with the lost ones, and the review's budget goes to those
+    behind them."""
+    asked: list[str] = []
+
+    def decide(handle: str, _: RequestFeatures) -> Verdict:
+        asked.append(handle)
+        if handle.startswith("doomed"):
+            return Decision(REPLICA, "best-effort", best_effort=True)
+        return Hold() if handle == "full" else Decision(REPLICA, "meets-slo")
+
+    queue: AdmissionQueue[str] = AdmissionQueue()
+    for i in range(3):  # the earliest deadlines
+        queue.hold(f"doomed-{i}", replace(FEATURES, slo_ttft_ms=500.0), arrived=0.0)
+    queue.hold("full", FEATURES, arrived=0.0)
+    queue.hold("saved", FEATURES, arrived=0.0)
+    assert [h for h, _ in queue.review(0.1, decide, budget=4)] == []  # the budget ran out on the doomed
+    assert asked == ["doomed-0", "doomed-1", "doomed-2", "full"]
+    asked.clear()
+    assert [h for h, _ in queue.review(0.2, decide, budget=4)] == ["saved"]
+    assert asked == ["full", "saved"]  # a request still waiting in time holds the doomed back
+    asked.clear()
+    queue.remove("full")
+    left = list(queue.review(0.3, decide, budget=4))
+    assert [h for h, _ in left] == ["doomed-0", "doomed-1", "doomed-2"]  # nothing else waits: best-effort
+    assert all(isinstance(v, Decision) and v.best_effort for _, v in left)
