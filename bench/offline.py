@@ -109,9 +109,9 @@ class Scenario:
     count_share: bool = True
     """Each gateway counts its requests as its share of the fleet's (`workers.pools.Share`)."""
     shared_counts: bool = False
-    """The gateways count one another's requests as they are sent and fit the step costs from one
-    another's answers, through the shared counts the processes of one gateway keep
-    (`workers.shared`): the gateways of several processes of `specgate serve --workers`."""
+    """The gateways count one another's requests as they are sent, fit the step costs from one
+    another's answers and move one set of correction factors, through the shared counts the
+    processes of one gateway keep (`workers.shared`): the processes of `specgate serve --workers`."""
 
     def slo_for(self, request_class: str) -> SloTargets:
         return self.slo_classes.get(request_class) or SloTargets(self.slo_ttft_ms, self.slo_tpot_ms)

@@ -37,3 +37,16 @@ def test_one_gateway_is_the_same_whether_it_counts_a_share_or_not() -> None:
     base = Job(Cell(), 1.0, 1, "share", "adaptive", 0, 300, str(TRACES))
     alone = run(base)
     assert alone["slo_attainment"] == run(replace(base, counting="own"))["slo_attainment"]
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="the shared Azure traces are beside the checkout")
+def test_gateways_on_shared_counts_route_as_one() -> None:
+    """Three gateways that count each other's requests as they are sent, fit from each other's
+    answers and move one set of correction factors (as the processes of one gateway do) meet
+    about what one gateway meets; counting only their own, far less."""
+    base = Job(Cell(), 2.0, 1, "share", "adaptive", 0, 300, str(TRACES))
+    one = run(base)["slo_attainment"]
+    shared = run(replace(base, gateways=3, counting="shared"))["slo_attainment"]
+    own = run(replace(base, gateways=3, counting="own"))["slo_attainment"]
+    assert abs(shared - one) <= 0.02, (shared, one)
+    assert own < one - 0.05, (own, one)

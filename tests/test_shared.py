@@ -197,17 +197,6 @@ def test_the_correction_factors_follow_every_processs_answers_one_after_another(
         assert mine.scales.ttft_factor == pytest.approx(alone.scales.ttft_factor, rel=1e-9)
 
 
-def test_a_gateway_among_others_weighs_each_answer_for_those_it_does_not_see() -> None:
-    priced = Priced("profile", (20.0, 0.0, 30.0, 1.0), (10.0, 2.0, 0.0, 0.0), (10.0, 2.0, 0.0, 0.0), queued=True)
-    one, third = FleetSettings().latency_fit(), FleetSettings().latency_fit()
-    for _ in range(30):
-        one.observe(100.0, None, priced)
-    for _ in range(10):
-        third.observe(100.0, None, priced, weight=3.0)  # one gateway of three: a third of the answers
-    assert third.scales.ttft_factor == pytest.approx(one.scales.ttft_factor, rel=0.1)
-    assert third.scales.ttft_factor > 1.5
-
-
 def test_the_batch_an_answer_decoded_beside_counts_the_other_processes_requests(counts_file: Path) -> None:
     first, second = fleets(counts_file)
     mine, theirs = by_url(first, A), by_url(second, A)

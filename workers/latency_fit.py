@@ -53,8 +53,6 @@ PRIOR_WEIGHT = 20.0
 """As how many answers the profile's own step costs count."""
 SMOOTHING = 0.05
 """Weight of the newest answer in the TTFT and TPOT factors that the fitted steps still miss."""
-MAX_SMOOTHING = 0.5
-"""The most one answer weighs in them, however many of the fleet's answers it stands for."""
 LEVEL_PRIOR_SHARE = 0.1
 """How firmly the prior holds the scales' common level at 1, against their shape."""
 OVERHEAD_PRIOR_MS = 100.0
@@ -210,14 +208,11 @@ class LatencyFit:
         *,
         steady: bool = True,
         step_ms: float | None = None,
-        weight: float = 1.0,
     ) -> None:
         """One answer: its measured TTFT and TPOT (None when not measured), its predictions term
         by term (ignored when priced by another profile than the one followed), the mean of the
         gateway's requests on its replica while it was there, whether the replica stayed steady
-        meanwhile, the median time between the events of its stream (one engine step each), and
-        how many of the fleet's answers it stands for (`weight`: a gateway that sees a third of
-        them, the others going through gateways it does not hear from, counts each as three).
+        meanwhile, and the median time between the events of its stream (one engine step each).
 
         The step costs are fitted from what times steps: the median gap between a stream's events
         (a stall by a prompt's prefill is an outlier there, not the median, while prompts take a
@@ -255,15 +250,13 @@ class LatencyFit:
             self._fit(rows)
         # What the step costs, as now fitted, still miss of predictions as they are made (at the
         # batch when the request is sent): a smoothed ratio by kind, each answer moving it a
-        # bounded step. The error it follows changes with the fleet's load, so it follows the
-        # fleet's answers at the same pace however few of them this process or gateway sees:
-        # every process's move it (`SharedFit`), and an answer weighs for those it stands for.
+        # bounded step. The error it follows changes with the load, so every process of the
+        # gateway moves the same factors, one answer after another (`SharedFit`).
         low, high = CORRECTION_RANGE
-        smoothing = min(self._smoothing * max(weight, 1.0), MAX_SMOOTHING)
         for kind, (seen, terms) in measured.items():
             predicted = predicted_ms(self.scales, terms) * factors[kind]
             step = max(-_MAX_FACTOR_STEP, min(_MAX_FACTOR_STEP, math.log(seen / predicted)))
-            factors[kind] = min(max(factors[kind] * math.exp(smoothing * step), low), high)
+            factors[kind] = min(max(factors[kind] * math.exp(self._smoothing * step), low), high)
         self.scales = replace(self.scales, ttft_factor=factors["ttft"], tpot_factor=factors["tpot"])
         self._factors_stamp += 1
         if self.shared is not None and self.basis is not None:

@@ -380,8 +380,7 @@ class Replica:
         def ms(seconds: float | None) -> float | None:
             return seconds * 1e3 if seconds is not None else None
 
-        self.fit.observe(ms(ttft_s), ms(tpot_s), terms, in_flight, steady=steady, step_ms=ms(step_s),
-                         weight=1.0 / self.counted_share())  # fmt: skip
+        self.fit.observe(ms(ttft_s), ms(tpot_s), terms, in_flight, steady=steady, step_ms=ms(step_s))
 
     # --- health -------------------------------------------------------------------------------
 
