@@ -7,6 +7,7 @@ import pytest
 from specgate.calibration.modes import Pool
 from specgate.workers.acceptance import SpecCounters
 from specgate.workers.health import State
+from specgate.workers.latency_fit import Priced
 from specgate.workers.pools import Fleet, FleetSettings, Replica, Share
 from specgate.workers.scrape import VllmLoad
 
@@ -328,3 +329,20 @@ def test_counters_a_little_ahead_of_a_lone_gateway_leave_it_alone() -> None:
         share.sent(i * 0.1)
         share.processed(1.07, i * 0.1)
     assert share.value == 1.0
+
+
+def test_a_step_gap_timed_while_prompts_joined_the_replica_is_not_fitted_as_a_decode_step() -> None:
+    """The median gap between a stream's events is one decode step only while few of those steps
+    carry the prefill of prompts that joined the replica meanwhile."""
+    priced = Priced("profile", (20.0, 0.0, 30.0, 1.0), (10.0, 2.0, 0.0, 0.0), (10.0, 2.0, 0.0, 0.0), in_flight=0)
+    for joined, fitted in ((0, 1), (3, 1), (30, 0)):
+        r = Replica("plain-0", "http://x", Pool.PLAIN, SETTINGS)
+        r.scraped(load(), 0.0, 0)
+        stay = r.dispatched_one(100, now=1.0)
+        r.first_byte(100, now=1.05)
+        for _ in range(joined):  # others' prompts sent to it while it decoded its 50 steps
+            r.dispatched_one(2000, now=1.2)
+            r.finished(got_first_byte=False, prompt_tokens=2000, now=1.3)
+        r.finished(got_first_byte=True, now=1.55)
+        r.observe(None, 0.010, priced, stay, now=1.55, step_s=0.010)
+        assert r.fit.fitted == fitted, joined

@@ -23,7 +23,7 @@ from specgate.calibration.modes import Pool
 from specgate.workers import latency_fit
 from specgate.workers.acceptance import SpecCounters, decode_steps
 from specgate.workers.health import Health
-from specgate.workers.latency_fit import LatencyFit, Priced
+from specgate.workers.latency_fit import MAX_STALL_SHARE, LatencyFit, Priced
 from specgate.workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
 from specgate.workers.shared import Others, SharedCounts, SharedSlot
 from specgate.workers.snapshot import ReplicaState, Snapshot
@@ -178,10 +178,12 @@ MAX_BUSY_S = 30.0
 
 @dataclass(frozen=True)
 class Stay:
-    """A request's time on a replica: when it was sent, and the replica's `request_seconds` then."""
+    """A request's time on a replica: when it was sent, and the replica's `request_seconds` and
+    `dispatched_by_gateway` then (this request counted)."""
 
     sent: float
     request_seconds: float
+    dispatched: float = 0.0
 
 
 class Replica:
@@ -299,7 +301,7 @@ class Replica:
             for rate in self._rates:
                 rate.add(prompt_tokens, now)
         self._publish()
-        return Stay(at, self.request_seconds(at))
+        return Stay(at, self.request_seconds(at), self.dispatched_by_gateway(at))
 
     def _publish(self) -> None:
         if self.shared is not None:
@@ -374,6 +376,13 @@ class Replica:
                 in_flight = (self.request_seconds(end) - stay.request_seconds) / (end - stay.sent)
                 # (at least itself: a process of the gateway restarted meanwhile takes its requests back)
                 in_flight = max(in_flight / self.counted_share(), 1.0)
+                if step_s is not None and step_s > 0:
+                    # Prompts that joined it meanwhile were prefilled in the steps its events were
+                    # timed over: past a share of them, their median is no longer a decode step.
+                    joined = (self.dispatched_by_gateway(end) - stay.dispatched) / self.counted_share()
+                    steps = max(end - stay.sent - (ttft_s or 0.0), 0.0) / step_s
+                    if joined > MAX_STALL_SHARE * steps:
+                        step_s = None
             # uncrowded at the scrape before it was sent, and at every one since
             steady = self.crowded_at < stay.sent - self.settings.scrape_interval_s
 
