@@ -183,7 +183,7 @@ class Stay:
 
     sent: float
     request_seconds: float
-    dispatched: float = 0.0
+    dispatched: float
 
 
 class Replica:
