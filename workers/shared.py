@@ -14,7 +14,7 @@ fit adds the others' to its own, so every process learns the step costs from eve
 from its share of them. Likewise the correction factors that follow what the fitted steps still
 miss: each process moves the latest it finds, so they follow all the processes' answers at the
 pace one process alone would see them. (In the offline simulator, three gateways on shared counts
-each moving its own factors met 3 points fewer SLOs than one gateway; moving one set, half a point.)
+each moving its own factors met 3 points fewer SLOs than one gateway; moving one set, under one.)
 
 A replica is found in another process's row by a hash of its URL: processes name replicas in the
 order they find them, which need not agree. A row's first slot counts the changes of its replicas
