@@ -279,8 +279,15 @@ class Replica:
 
     def request_seconds(self, now: float) -> float:
         """The gateway's requests on it (all its processes'), integrated over time."""
+        return self._stay(now).request_seconds
+
+    def _stay(self, now: float) -> Stay:
+        """`request_seconds` and `dispatched_by_gateway` at `now`, the other processes read once."""
         others = self._others(now)
-        return self._own_request_seconds(now) + (others.request_seconds if others is not None else 0.0)
+        request_seconds, dispatched = self._own_request_seconds(now), float(self.dispatched)
+        if others is not None:
+            request_seconds, dispatched = request_seconds + others.request_seconds, dispatched + others.dispatched
+        return Stay(now, request_seconds, dispatched)
 
     def _count(self, change: int, now: float | None) -> None:
         at = time.monotonic() if now is None else now
@@ -301,7 +308,7 @@ class Replica:
             for rate in self._rates:
                 rate.add(prompt_tokens, now)
         self._publish()
-        return Stay(at, self.request_seconds(at), self.dispatched_by_gateway(at))
+        return self._stay(at)
 
     def _publish(self) -> None:
         if self.shared is not None:
@@ -373,13 +380,14 @@ class Replica:
         if stay is not None:
             end = time.monotonic() if now is None else now
             if end > stay.sent:  # all the fleet's requests, as far as this gateway's share tells
-                in_flight = (self.request_seconds(end) - stay.request_seconds) / (end - stay.sent)
+                ended = self._stay(end)
+                in_flight = (ended.request_seconds - stay.request_seconds) / (end - stay.sent)
                 # (at least itself: a process of the gateway restarted meanwhile takes its requests back)
                 in_flight = max(in_flight / self.counted_share(), 1.0)
                 if step_s is not None and step_s > 0:
                     # Prompts that joined it meanwhile were prefilled in the steps its events were
                     # timed over: past a share of them, their median is no longer a decode step.
-                    joined = (self.dispatched_by_gateway(end) - stay.dispatched) / self.counted_share()
+                    joined = (ended.dispatched - stay.dispatched) / self.counted_share()
                     steps = max(end - stay.sent - (ttft_s or 0.0), 0.0) / step_s
                     if joined > MAX_STALL_SHARE * steps:
                         step_s = None
