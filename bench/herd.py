@@ -40,6 +40,7 @@ from specgate.bench.grid import Cell, loaded, scenario
 from specgate.bench.offline import simulate
 from specgate.bench.replay import ReplaySettings, replay
 from specgate.calibration.modes import Pool
+from specgate.gateway.exchange import ExchangeSettings
 from specgate.testing import gateway_config, start_sim, stop_process
 from specgate.workers import launch
 
@@ -53,10 +54,12 @@ CELLS = (
 LOADS = (0.5, 1.0, 2.0)
 GATEWAYS = (1, 3, 6)
 PROCESSES = (1, 4)
-COUNTING = ("shared", "share", "own")
+COUNTING = ("shared", "exchange", "share", "own")
 """How a gateway counts the requests on a replica: with every other gateway's as they are sent
-(shared counts, as the processes of one gateway keep them), its own as its share of the fleet's,
-or its own alone."""
+(shared counts, as the processes of one gateway keep them), with every other gateway's as last
+exchanged (as often as a gateway does by default, through the policy's Redis), its own as its
+share of the fleet's, or its own alone."""
+EXCHANGE_S = ExchangeSettings().interval_s
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ def trace_path(traces: Path, cell: Cell) -> Path:
 def run(job: Job) -> dict[str, Any]:
     trace = loaded(job.cell, trace_path(Path(job.traces), job.cell), job.requests, job.seed, job.load)
     setting = replace(scenario(job.cell, job.policy, job.seed), gateways=job.gateways,
-                      count_share=job.counting != "own", shared_counts=job.counting == "shared")  # fmt: skip
+                      count_share=job.counting != "own", shared_counts=job.counting == "shared",
+                      exchange_s=EXCHANGE_S if job.counting == "exchange" else None)  # fmt: skip
     summary = simulate(trace, setting).summary()
     return {"cell": job.cell.label, "load": job.load, "gateways": job.gateways, "counting": job.counting,
             "policy": job.policy, "seed": job.seed, **summary}  # fmt: skip

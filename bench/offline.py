@@ -112,6 +112,10 @@ class Scenario:
     """The gateways count one another's requests as they are sent, fit the step costs from one
     another's answers and move one set of correction factors, through the shared counts the
     processes of one gateway keep (`workers.shared`): the processes of `specgate serve --workers`."""
+    exchange_s: float | None = None
+    """The gateways exchange their counts, fits and factors this often, each at moments of its
+    own, as separate gateways do through the policy's Redis (`gateway/exchange.py`): each reads
+    the others' as they last left them."""
 
     def slo_for(self, request_class: str) -> SloTargets:
         return self.slo_classes.get(request_class) or SloTargets(self.slo_ttft_ms, self.slo_tpot_ms)
@@ -268,6 +272,15 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             shared = [SharedCounts(path, scenario.gateways, g) for g in gateways]
         finally:
             path.unlink()  # (mapped, it lives as long as they do)
+    elif scenario.exchange_s is not None:
+        for g in gateways:
+            path = SharedCounts.create(1, remote=scenario.gateways - 1)
+            try:
+                shared[g] = SharedCounts(path, 1, 0, remote=scenario.gateways - 1)
+            finally:
+                path.unlink()
+    board: dict[str, bytes] = {}
+    """Each gateway's summary as it last left it (`workers.shared.SharedCounts.summary`)."""
     fleets = [Fleet(pools, settings, shared[g]) for g in gateways]
     fleet = fleets[0]  # every gateway's holds the same replicas, under the same names
     sims: dict[str, _SimReplica] = {}
@@ -309,6 +322,12 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
                 first_tokens=c.first_tokens,
             )
             fleets[gateway].scraped(replica, load, now, replica.dispatched_by_gateway(now))
+
+    def exchange(now: float, gateway: int) -> None:
+        counts = shared[gateway]
+        assert counts is not None
+        board[str(gateway)] = counts.summary(now, (settings.rate_window_s, settings.burst_window_s), now)
+        counts.take_all(str(gateway), board, now, now, stale_s=settings.stale_after_s)
 
     def arrive(index: int, request: TraceRequest) -> None:
         nonlocal arrivals_left
@@ -485,6 +504,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         scrape(0.0, gateway)
         first = scenario.scrape_interval_s * (1.0 + gateway / scenario.gateways)
         heapq.heappush(events, (first, next(order), "scrape", gateway))
+        if scenario.exchange_s is not None:
+            first = scenario.exchange_s * (1.0 + gateway / scenario.gateways)
+            heapq.heappush(events, (first, next(order), "exchange", gateway))
     if switchover is not None:
         heapq.heappush(events, (switchover.interval_s, next(order), "advise", None))
     for index, request in enumerate(trace):
@@ -507,6 +529,11 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
                 heapq.heappush(events, (now + switchover.interval_s, next(order), "advise", None))
         elif kind == "restarted":
             restarted(payload, now)  # type: ignore[arg-type]
+        elif kind == "exchange":
+            if routed or arrivals_left or held():
+                assert scenario.exchange_s is not None
+                exchange(now, payload)  # type: ignore[arg-type]
+                heapq.heappush(events, (now + scenario.exchange_s, next(order), "exchange", payload))
         elif routed or arrivals_left or held():
             scrape(now, payload)  # type: ignore[arg-type]
             review(now, {payload})  # type: ignore[arg-type]

@@ -50,13 +50,15 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
-    def __init__(self, argv: Sequence[str], count: int, host: str, port: int, grace_s: float) -> None:
+    def __init__(self, argv: Sequence[str], count: int, host: str, port: int, grace_s: float, remote: int = 0) -> None:
         self.argv = list(argv)
         """`specgate serve` as it was called: each process runs it with its place added."""
         self.count = count
         self.host = host
         self.port = port
         self.grace_s = grace_s
+        self.remote = remote
+        """Rows of the shared counts for other gateways' (`gateway/exchange.py`)."""
         self.stopping = False
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.ready: dict[int, asyncio.Event] = {i: asyncio.Event() for i in range(count)}
@@ -64,7 +66,7 @@ class Supervisor:
     async def run(self, on_ready: Callable[[str], None]) -> None:
         sock = reserve_port(self.host, self.port)
         port = sock.getsockname()[1]
-        counts = SharedCounts.create(self.count)
+        counts = SharedCounts.create(self.count, remote=self.remote)
         metrics = Path(tempfile.mkdtemp(prefix="specgate-metrics-"))
         tasks = [
             asyncio.create_task(self._keep(i, port, counts, metrics), name=f"process-{i}") for i in range(self.count)
@@ -106,7 +108,9 @@ class Supervisor:
             code = await proc.wait()
             if self.stopping:
                 return
-            SharedCounts(counts, self.count, index).close()  # its requests died with it: none counted meanwhile
+            SharedCounts(
+                counts, self.count, index, self.remote
+            ).close()  # its requests died with it: none counted meanwhile
             if time.monotonic() - started > STEADY_S:
                 delay = RESTART_S[0]
             _log.error(

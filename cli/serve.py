@@ -179,7 +179,9 @@ def _supervise(
     from specgate.workers import launch
 
     argv = launch.specgate_argv(*args.argv)
-    supervisor = Supervisor(argv, args.workers, settings.host, settings.port, settings.shutdown_grace_s)
+    supervisor = Supervisor(
+        argv, args.workers, settings.host, settings.port, settings.shutdown_grace_s, settings.store.exchange_rows
+    )
     run_until_signalled(partial(supervisor.run, lambda url: ready(settings, url)))
     return 0
 

@@ -28,6 +28,7 @@ from specgate.gateway.clients import Clients, merged, parse_keys
 from specgate.gateway.config import GatewaySettings
 from specgate.gateway.connections import Connections
 from specgate.gateway.errors import SERVER, openai_errors
+from specgate.gateway.exchange import CountExchange
 from specgate.gateway.handlers import add_routes
 from specgate.gateway.metrics import GatewayMetrics
 from specgate.gateway.policy_sync import STORE_ERRORS, PolicyControl
@@ -49,7 +50,7 @@ _log = logging.getLogger(__name__)
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     group = settings.processes
-    shared = SharedCounts(group.counts, group.count, group.index) if group is not None else None
+    shared = _shared_counts(settings)
     fleet = Fleet({pool: list(urls) for pool, urls in settings.pools.items()}, settings.fleet, shared)
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
     session = aiohttp.ClientSession(
@@ -103,6 +104,14 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         tasks.append(asyncio.create_task(tracer.run(), name="tracing"))
     if settings.advisor.enabled:
         tasks.append(asyncio.create_task(advisor.run(), name="advisor"))
+    exchange = None
+    if shared is not None and settings.store.url is not None and shared.rows > shared.processes and shared.index == 0:
+        fleet_settings = settings.fleet
+        exchange = CountExchange(
+            settings.store.url, settings.store.prefix, shared, (fleet_settings.rate_window_s,
+            fleet_settings.burst_window_s), settings.store.exchange, metrics.exchange_failed,
+        )  # fmt: skip
+        tasks.append(asyncio.create_task(exchange.run(), name="count-exchange"))
     if store is not None:
         # Read the store once before serving (briefly: Redis down must not stop the gateway).
         with contextlib.suppress(*STORE_ERRORS, TimeoutError):
@@ -123,6 +132,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             await discovery.close()
         if store is not None:
             await store.close()
+        if exchange is not None:
+            await exchange.close()
         connections.close()
         await session.close()
         await probes.close()
@@ -156,6 +167,21 @@ class _Scrapers:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _shared_counts(settings: GatewaySettings) -> SharedCounts | None:
+    """Where this gateway's processes count their requests (`workers/shared.py`), with rows for
+    other gateways' counts when it exchanges them through Redis; None for one process alone."""
+    group, remote = settings.processes, settings.store.exchange_rows
+    if group is not None:
+        return SharedCounts(group.counts, group.count, group.index, remote)
+    if not remote:
+        return None
+    path = SharedCounts.create(1, remote=remote)
+    try:
+        return SharedCounts(path, 1, 0, remote)
+    finally:
+        path.unlink()  # (mapped, it lives as long as the gateway)
 
 
 def _discovery(settings: GatewaySettings) -> Discovery | None:

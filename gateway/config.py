@@ -41,6 +41,7 @@ from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import PROFILES, Profile
 from specgate.gateway.advisor import AdvisorSettings
 from specgate.gateway.clients import ClientKey, merged, parse_keys
+from specgate.gateway.exchange import ExchangeSettings
 from specgate.gateway.server import Limits
 from specgate.gateway.tracing import TracingSettings
 from specgate.policies.document import DocumentError, PolicyDocument
@@ -92,6 +93,13 @@ class StoreSettings:
     """The last good document from Redis, for starting while Redis is down."""
     refresh_s: float = 1.0
     """Re-read the store this often even without an announcement (pub/sub drops messages)."""
+    exchange: ExchangeSettings = field(default_factory=ExchangeSettings)
+    """Counts exchanged with the other gateways through the same Redis (`gateway/exchange.py`)."""
+
+    @property
+    def exchange_rows(self) -> int:
+        """Rows of the shared counts kept for other gateways' (none without a Redis)."""
+        return self.exchange.rows(self.url)
 
 
 @dataclass(frozen=True)
@@ -251,6 +259,10 @@ class _Store(_Section, frozen=True):
     prefix: NonEmpty = "specgate"
     cache: NonEmpty | None = None
     refresh_ms: Milliseconds = 1000.0
+    exchange_ms: Annotated[float, Meta(ge=0, le=10_000)] = 50.0
+    """How often gateways sharing this Redis exchange their counts; 0: never."""
+    max_gateways: Annotated[int, Meta(ge=2, le=64)] = 8
+    exchange_stale_ms: Milliseconds = 2000.0
 
 
 class _Admin(_Section, frozen=True):
@@ -394,6 +406,8 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
         raise ConfigError("pools", "configure at least one replica (urls, dns or kubernetes) in pools.speculative "
                           "or pools.plain")  # fmt: skip
     store, scrape, timeouts = file.store, file.scrape, file.timeouts
+    if 0 < store.exchange_ms < 5:
+        raise ConfigError("store.exchange_ms", "exchange every 5 ms at the most often, or 0 for never")
     profiles = profiles_from(
         [base / name for name in file.profiles.files], [f"profiles.files[{i}]" for i in range(len(file.profiles.files))]
     )
@@ -436,6 +450,7 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
             prefix=store.prefix,
             cache=Path(store.cache) if store.cache is not None else None,
             refresh_s=store.refresh_ms / 1e3,
+            exchange=ExchangeSettings(store.exchange_ms / 1e3, store.max_gateways, store.exchange_stale_ms / 1e3),
         ),
         admin_token=admin_token("admin.token", file.admin.token) if file.admin is not None else None,
         auth=AuthSettings(file.auth.enabled, _client_keys(file.auth, base)),

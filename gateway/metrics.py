@@ -268,6 +268,17 @@ class GatewayMetrics:
             "specgate_policy_store_up", "1 while the policy store (Redis) is reachable, 0 while it is not.",
             registry=r if with_store else None,
         )  # fmt: skip
+        self.exchange_failures = Counter(
+            "specgate_count_exchange_failures", "Rounds in which the gateway could not exchange its counts "
+            "with the other gateways through Redis.", registry=r if with_store else None,
+        )  # fmt: skip
+        if fleet.shared is not None and fleet.shared.rows > fleet.shared.processes:
+            counted = Gauge("specgate_gateways_counted", "Other gateways whose requests this gateway counts "
+                            "as they are sent (exchanged through Redis).", registry=r)  # fmt: skip
+            counted.set_function(lambda: float(fleet.shared.gateways_counted()) if fleet.shared is not None else 0.0)
+
+    def exchange_failed(self) -> None:
+        self.exchange_failures.inc()
 
     def advise(self, advisor: Advisor) -> None:
         """The live advisor's recommendation, read when /metrics is (NaN until its first plan)."""

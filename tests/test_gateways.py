@@ -1,19 +1,22 @@
-"""Two gateway processes in front of one fleet: one killed under load loses only its own requests."""
+"""Gateways in front of one fleet: one killed under load loses only its own requests; gateways
+sharing a Redis count each other's requests."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from specgate.testing import SimProcess, gateway_config, sample_value
+from specgate.cli.serve import ADMIN_TOKEN_ENV
+from specgate.testing import RedisServer, SimProcess, gateway_config, sample_value
 from specgate.workers import launch
 
 MODEL = "sim-model"
+TOKEN = "gateways-test-token-0123456789"
 
 
 async def stream(session: aiohttp.ClientSession, url: str, started: asyncio.Event) -> bool:
@@ -78,3 +81,61 @@ async def test_a_gateway_killed_under_load_loses_only_its_own_requests(
     finally:
         for p in procs:
             await launch.terminate(p)
+
+
+async def counted(url: str) -> tuple[int, float | None]:
+    """What a gateway counts in flight on the fleet, and how many other gateways it counts."""
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession() as session:  # a connection of its own: either process may answer
+        async with session.get(f"{url}/admin/fleet", headers=headers) as r:
+            replicas = (await r.json())["replicas"]
+        async with session.get(f"{url}/metrics") as r:
+            others = sample_value(await r.text(), "specgate_gateways_counted")
+    return sum(rep["in_flight"] for rep in replicas), others
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout_s: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+@pytest.mark.slow
+async def test_gateways_on_one_redis_count_each_others_requests(
+    sim_factory: Callable[..., SimProcess], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Two gateways sharing the policy's Redis, one of two processes: each counts the other's
+    requests as they are sent; a gateway that dies stops being counted once its counts are stale."""
+    sims = [sim_factory("--mode", mode, "--model", MODEL, "--time-scale", "10") for mode in ("speculative", "plain")]
+    store = f'[store]\nurl = "{redis_server.url}"\nexchange_ms = 20\nexchange_stale_ms = 500\n'
+    config = gateway_config(tmp_path / "specgate.toml", MODEL, [sims[0].url], [sims[1].url], store)
+    env = {ADMIN_TOKEN_ENV: TOKEN}
+    alone = launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0"), tmp_path / "a.log",
+                         env=env)  # fmt: skip
+    pair = launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0", "--workers", "2"),
+                        tmp_path / "b.log", env=env)  # fmt: skip
+    try:
+        alone_url = await launch.wait_ready(alone, tmp_path / "a.log")
+        pair_url = await launch.wait_ready(pair, tmp_path / "b.log")
+        async with aiohttp.ClientSession() as session:
+            started = [asyncio.Event() for _ in range(8)]
+            streams = [asyncio.create_task(stream(session, alone_url, e)) for e in started]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=30)
+            assert await until(lambda: _is(counted(pair_url), (8, 1.0)), timeout_s=5.0), await counted(pair_url)
+            for _ in range(6):  # whichever of its processes answers
+                assert await counted(pair_url) == (8, 1.0)
+            assert await counted(alone_url) == (8, 1.0)  # its own; the pair, with nothing in flight, counted
+            launch.signal_group(alone.pid, signal.SIGKILL)
+            assert not any(await asyncio.gather(*streams))
+            assert await until(lambda: _is(counted(pair_url), (0, 0.0)), timeout_s=5.0), await counted(pair_url)
+            assert all(await asyncio.gather(*(stream(session, pair_url, asyncio.Event()) for _ in range(2))))
+    finally:
+        for p in (alone, pair):
+            await launch.terminate(p)
+
+
+async def _is(value: Awaitable[object], expected: object) -> bool:
+    return await value == expected

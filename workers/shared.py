@@ -19,6 +19,12 @@ each moving its own factors met 3 points fewer SLOs than one gateway; moving one
 A replica is found in another process's row by a hash of its URL: processes name replicas in the
 order they find them, which need not agree. A row's first slot counts the changes of its replicas
 (taken or freed slots), so a reader searches a row again only when it has changed.
+
+Other gateways in front of the same fleet (other hosts) are counted the same way, a little later:
+the gateway's first process publishes a `summary` of its processes' rows and fits every fraction
+of a second, through the policy's Redis (`gateway/exchange.py`), and writes the other gateways'
+summaries into rows of the file kept for them (`take`), where every process reads them as it reads
+its siblings'. A summary's times are ages, moved to the reader's clock on the way in.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import math
 import mmap
 import os
 import tempfile
+from array import array
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,8 +69,13 @@ def key_of(text: str) -> int:
     return key or 1
 
 
-def _size(processes: int) -> int:
-    return processes * (SLOTS * FIELDS + FITS * FIT_FIELDS) * 8
+_MAGIC = 0x5347_4331  # a summary's first word: "SGC1"
+_HEADER = 3
+"""A summary's words before its fits: the magic, when it was taken (Unix seconds), its replicas."""
+
+
+def _size(rows: int) -> int:
+    return rows * (SLOTS * FIELDS + FITS * FIT_FIELDS) * 8
 
 
 @dataclass
@@ -81,35 +94,44 @@ class Others:
 
 
 class SharedCounts:
-    """The mapped file: `processes` rows of `SLOTS` slots, then each process's fits. Made once by
-    the supervisor (`create`); opened by each process here, which clears its row and its fits."""
+    """The mapped file: a row of `SLOTS` slots per process and per other gateway (`remote`), then
+    each row's fits. Made once by the supervisor (`create`); opened by each process here, which
+    clears its row and its fits (the first process, which writes the other gateways' rows, those too)."""
 
-    def __init__(self, path: Path, processes: int, index: int) -> None:
+    def __init__(self, path: Path, processes: int, index: int, remote: int = 0) -> None:
         self.path = path
         self.processes = processes
+        self.rows = processes + remote
         self.index = index
         """This process's row."""
         with path.open("r+b") as file:
-            self._map = mmap.mmap(file.fileno(), _size(processes))
+            self._map = mmap.mmap(file.fileno(), _size(self.rows))
         self.words = memoryview(self._map).cast("d")
         self.keys = memoryview(self._map).cast("q")
-        row = index * SLOTS * FIELDS
-        generation = self.keys[row]
-        for word in range(row, row + SLOTS * FIELDS):  # a process restarted in its row starts afresh
+        self._remote: dict[str, int] = {}
+        """The other gateways whose summaries this process takes, and their rows."""
+        for row in [index, *(range(processes, self.rows) if index == 0 else ())]:
+            self._clear(row)  # a process restarted in its row starts afresh
+
+    def _clear(self, row: int) -> None:
+        start = row * SLOTS * FIELDS
+        generation = self.keys[start]
+        for word in range(start, start + SLOTS * FIELDS):
             self.keys[word] = 0
-        self.keys[row] = generation + 1
-        for word in range(self._fit_base(index, 0), self._fit_base(index, FITS)):
+        self.keys[start] = generation + 1
+        for word in range(self._fit_base(row, 0), self._fit_base(row, FITS)):
             self.keys[word] = 0
 
     @staticmethod
-    def create(processes: int, directory: Path | None = None) -> Path:
-        """A zeroed file for `processes` rows, in shared memory where there is one; the caller removes it."""
+    def create(processes: int, directory: Path | None = None, remote: int = 0) -> Path:
+        """A zeroed file for `processes` rows and `remote` other gateways', in shared memory where
+        there is one; the caller removes it."""
         if directory is None:
             shm = Path("/dev/shm")
             directory = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
         fd, name = tempfile.mkstemp(prefix="specgate-counts-", dir=directory)
         with os.fdopen(fd, "wb") as file:
-            file.truncate(_size(processes))
+            file.truncate(_size(processes + remote))
         return Path(name)
 
     def slot(self, url: str) -> SharedSlot:
@@ -125,34 +147,169 @@ class SharedCounts:
         if free is None:
             raise RuntimeError(f"more than {SLOTS - 1} replicas to share counts of")
         base = free * FIELDS
-        for field in range(1, FIELDS):
-            self.words[base + field] = 0.0
+        self._free(free)
         self.keys[base] = key  # last: a reader finds it only once it is zeroed
         self.changed()
         return SharedSlot(self, key, free)
 
-    def _fit_base(self, process: int, fit: int) -> int:
-        return self.processes * SLOTS * FIELDS + (process * FITS + fit) * FIT_FIELDS
+    def _fit_base(self, row: int, fit: int) -> int:
+        return self.rows * SLOTS * FIELDS + (row * FITS + fit) * FIT_FIELDS
 
     def fit(self, number: int) -> SharedFit:
         """This process's fit `number` (one per pool, numbered alike in every process)."""
         return SharedFit(
-            self, [self._fit_base(p, number) for p in range(self.processes)], self._fit_base(self.index, number)
+            self, [self._fit_base(r, number) for r in range(self.rows)], self._fit_base(self.index, number)
         )
 
-    def generation(self, process: int) -> int:
-        """How often `process`'s replicas have changed."""
-        return int(self.keys[process * SLOTS * FIELDS])
+    def generation(self, row: int) -> int:
+        """How often the replicas of `row` (a process's, or another gateway's) have changed."""
+        return int(self.keys[row * SLOTS * FIELDS])
 
     def changed(self) -> None:
         self.keys[self.index * SLOTS * FIELDS] += 1
 
-    def find(self, process: int, key: int) -> int | None:
-        row = process * SLOTS
-        for slot in range(row + 1, row + SLOTS):
+    def find(self, row: int, key: int) -> int | None:
+        start = row * SLOTS
+        for slot in range(start + 1, start + SLOTS):
             if self.keys[slot * FIELDS] == key:
                 return slot
         return None
+
+    # --- between gateways ---------------------------------------------------------------------
+
+    def summary(self, now: float, windows: tuple[float, ...], wall: float) -> bytes:
+        """This gateway's counts for the other gateways (`take`), taken at `now` (monotonic) and
+        `wall` (Unix seconds): per replica its processes' slots summed, their rates and
+        request-seconds brought to `now`; per pool its processes' fit sums (of the basis most
+        answers were fitted against) and the latest of their correction factors. Other gateways'
+        rows are left out: each gateway speaks for itself alone."""
+        words, keys = self.words, self.keys
+        slots: dict[int, list[float]] = {}
+        for process in range(self.processes):
+            for slot in range(process * SLOTS + 1, (process + 1) * SLOTS):
+                base = slot * FIELDS
+                key = keys[base]
+                if key == 0:
+                    continue
+                into = slots.setdefault(key, [0.0] * FIELDS)
+                for field in range(_IN_FLIGHT, _RATES):
+                    into[field] += words[base + field]
+                for i, window in enumerate(windows):
+                    at_word = base + _RATES + 3 * i
+                    keep = math.exp(-max(now - words[at_word + 2], 0.0) / window)
+                    into[_RATES + 3 * i] += words[at_word] * keep
+                    into[_RATES + 3 * i + 1] += words[at_word + 1] * keep
+                since = max(now - words[base + _REQUEST_SECONDS + 1], 0.0)
+                into[_REQUEST_SECONDS] += words[base + _REQUEST_SECONDS] + words[base + _IN_FLIGHT] * since
+        out = array("d", [0.0] * (_HEADER + FITS * FIT_FIELDS + len(slots) * FIELDS))
+        out_keys = memoryview(out).cast("B").cast("q")
+        out_keys[0], out[1], out_keys[2] = _MAGIC, wall, len(slots)
+        for fit in range(FITS):
+            self._summed_fit(fit, out, out_keys, _HEADER + fit * FIT_FIELDS)
+        for i, (key, fields) in enumerate(slots.items()):
+            base = _HEADER + FITS * FIT_FIELDS + i * FIELDS
+            out[base : base + FIELDS] = array("d", fields)  # its times (rates', request-seconds') 0: now
+            out_keys[base] = key
+        return out.tobytes()
+
+    def _summed_fit(self, fit: int, out: array[float], out_keys: memoryview, at: int) -> None:
+        words, keys = self.words, self.keys
+        bases = [self._fit_base(process, fit) for process in range(self.processes)]
+        fitted = [b for b in bases if keys[b + _BASIS] != 0]
+        if fitted:
+            basis = keys[max(fitted, key=lambda b: words[b + _FITTED]) + _BASIS]
+            for base in (b for b in fitted if keys[b + _BASIS] == basis):
+                for word in range(_FITTED, _FACTORS_BASIS):
+                    out[at + word] += words[base + word]
+            out_keys[at + _BASIS] = basis
+        factors = [b for b in bases if keys[b + _FACTORS_BASIS] != 0]
+        if factors:
+            latest = max(factors, key=lambda b: keys[b + _FACTORS_STAMP])
+            out[at + _TTFT_FACTOR], out[at + _TPOT_FACTOR] = words[latest + _TTFT_FACTOR], words[latest + _TPOT_FACTOR]
+            out_keys[at + _FACTORS_STAMP] = keys[latest + _FACTORS_STAMP]
+            out_keys[at + _FACTORS_BASIS] = keys[latest + _FACTORS_BASIS]
+
+    def take(self, gateway: str, summary: bytes, now: float, wall: float, stale_s: float) -> bool:
+        """Another gateway's `summary` into the row kept for it (one taken if it has none), its
+        times moved to this process's clock (`now`, `wall`: as in `summary`). False, and nothing
+        written, when it is not a summary, is older than `stale_s` or finds no row free."""
+        parsed = _parsed(summary)
+        if parsed is None:
+            return False
+        words, slots = parsed
+        age = wall - words[1]
+        if not -stale_s <= age <= stale_s:  # (a clock far ahead of this one's: as untrusted)
+            return False
+        row = self._remote.get(gateway)
+        if row is None:
+            free = set(range(self.processes, self.rows)) - set(self._remote.values())
+            if not free:
+                return False
+            row = self._remote[gateway] = min(free)
+        taken_at = now - max(age, 0.0)
+        for fit in range(FITS):
+            self._take_fit(words, _HEADER + fit * FIT_FIELDS, self._fit_base(row, fit))
+        start, keep = row * SLOTS, set(slots)
+        changed = False
+        for slot in range(start + 1, start + SLOTS):
+            if self.keys[slot * FIELDS] not in (0, *keep):
+                self._free(slot)
+                changed = True
+        for key, at in slots.items():
+            found = self.find(row, key)
+            if found is None:
+                found = self.find(row, 0)
+                assert found is not None  # (a summary holds SLOTS - 1 replicas at most)
+                changed = True
+            base = found * FIELDS
+            self.words[base + 1 : base + FIELDS] = words[at + 1 : at + FIELDS]
+            for i in range(2):
+                self.words[base + _RATES + 3 * i + 2] = taken_at
+            self.words[base + _REQUEST_SECONDS + 1] = taken_at
+            self.keys[base] = key  # last: a reader finds it only once it is written
+        if changed:
+            self.keys[start * FIELDS] += 1
+        return True
+
+    def _take_fit(self, words: memoryview[float], at: int, base: int) -> None:
+        keys = memoryview(words).cast("B").cast("q")
+        self.keys[base + _BASIS] = self.keys[base + _FACTORS_BASIS] = 0  # (a reader skips them while they change)
+        self.words[base + _FITTED : base + _FACTORS_BASIS] = words[at + _FITTED : at + _FACTORS_BASIS]
+        self.words[base + _TTFT_FACTOR], self.words[base + _TPOT_FACTOR] = (
+            words[at + _TTFT_FACTOR],
+            words[at + _TPOT_FACTOR],
+        )
+        self.keys[base + _FACTORS_STAMP] = keys[at + _FACTORS_STAMP]
+        self.keys[base + _BASIS] = keys[at + _BASIS]
+        self.keys[base + _FACTORS_BASIS] = keys[at + _FACTORS_BASIS]
+
+    def _free(self, slot: int) -> None:
+        base = slot * FIELDS
+        self.keys[base] = 0
+        for field in range(1, FIELDS):
+            self.words[base + field] = 0.0
+
+    def take_all(self, me: str, summaries: Mapping[str, bytes], now: float, wall: float, stale_s: float) -> None:
+        """Every other gateway's summary (`take`); the rows of those without one taken forgotten."""
+        taken = [g for g, summary in summaries.items() if g != me and self.take(g, summary, now, wall, stale_s)]
+        self.forget(taken)
+
+    def forget(self, keep: Collection[str]) -> None:
+        """Clear the rows of the other gateways not in `keep`: gone, or silent for too long."""
+        for gateway in [g for g in self._remote if g not in keep]:
+            self._clear(self._remote.pop(gateway))
+
+    def gateways_counted(self) -> int:
+        """Other gateways' rows that count a replica now."""
+        return sum(
+            any(self.keys[slot * FIELDS] for slot in range(row * SLOTS + 1, (row + 1) * SLOTS))
+            for row in range(self.processes, self.rows)
+        )
+
+    @property
+    def remote(self) -> Mapping[str, int]:
+        """The other gateways whose counts this process takes, and their rows."""
+        return self._remote
 
     def close(self) -> None:
         self.words.release()
@@ -167,7 +324,7 @@ class SharedSlot:
         self.counts = counts
         self.key = key
         self.base = slot * FIELDS
-        others = [p for p in range(counts.processes) if p != counts.index]
+        others = [row for row in range(counts.rows) if row != counts.index]
         self._found: dict[int, int | None] = dict.fromkeys(others)
         self._searched: dict[int, int] = dict.fromkeys(others, -1)
         """The generation of each other row when this replica was last searched for there."""
@@ -221,10 +378,7 @@ class SharedSlot:
 
     def release(self) -> None:
         """The replica left this process's fleet: its slot is free again."""
-        words, base = self.counts.words, self.base
-        self.counts.keys[base] = 0
-        for field in range(1, FIELDS):
-            words[base + field] = 0.0
+        self.counts._free(self.base // FIELDS)
         self.counts.changed()
 
 
@@ -279,3 +433,33 @@ class SharedFit:
                 for j in range(4):
                     xx[i][j] += words[base + _XX + 4 * i + j]
         return fitted, xx, xy
+
+
+def _parsed(summary: bytes) -> tuple[memoryview[float], dict[int, int]] | None:
+    """A summary's words and where each replica's slot starts in them; None if it is not one (of
+    this layout, whole, every count finite and none negative)."""
+    if len(summary) % 8 or len(summary) < (_HEADER + FITS * FIT_FIELDS) * 8:
+        return None
+    words, keys = memoryview(summary).cast("d"), memoryview(summary).cast("q")
+    replicas = keys[2]
+    if keys[0] != _MAGIC or not 0 <= replicas < SLOTS or len(words) != _HEADER + FITS * FIT_FIELDS + replicas * FIELDS:
+        return None
+    floats = [words[1]]
+    for fit in range(FITS):
+        at = _HEADER + fit * FIT_FIELDS
+        floats += words[at + _FITTED : at + _FACTORS_BASIS]
+        floats += (words[at + _TTFT_FACTOR], words[at + _TPOT_FACTOR])
+    slots: dict[int, int] = {}
+    for i in range(replicas):
+        at = _HEADER + FITS * FIT_FIELDS + i * FIELDS
+        if keys[at] == 0 or keys[at] in slots or any(v < 0 for v in words[at + 1 : at + FIELDS]):
+            return None
+        floats += words[at + 1 : at + FIELDS]
+        slots[keys[at]] = at
+    return (words, slots) if all(math.isfinite(v) for v in floats) else None
+
+
+def taken_at(summary: bytes) -> float | None:
+    """When a summary was taken (Unix seconds); None if it is not one."""
+    parsed = _parsed(summary)
+    return parsed[0][1] if parsed is not None else None
