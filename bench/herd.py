@@ -7,15 +7,17 @@ see a fraction of what the fleet is asked, and between scrapes they can all send
 that looked idle: the herd effect. Each gateway here has its own accounting, scrapes at moments of
 its own, its own step-cost fits, learned lengths and admission queue, as separate processes do.
 Measured with each gateway counting its requests as its share of the fleet's (`workers.pools.Share`,
-the default), counting only its own (the gateway before it), and counting every gateway's as they
-are sent through shared counts (`workers.shared`, as the processes of one `specgate serve
---workers` gateway do), on grid cells (`bench.grid`) at three loads and several seeds: the
+the default without a Redis), counting only its own (the gateway before it), counting every
+gateway's as they are sent through shared counts (`workers.shared`, as the processes of one
+`specgate serve --workers` gateway do), and as last exchanged through a Redis (`gateway/exchange.py`,
+the default with one), on grid cells (`bench.grid`) at three loads and several seeds: the
 adaptive policy's SLO attainment, and its difference to one gateway, per point and on average.
 
 With `--http`, the same over HTTP: 1, 3 and 6 `specgate serve` processes in front of 2+2
 `specgate sim` replicas (the base cell's fleet and profile, in real time), a slice of the
 conversation trace replayed by the client in turn through each gateway (`bench.replay`), at about
-the fleet's capacity. With `--workers`, one gateway of 1 and of 4 processes on one port
+the fleet's capacity; 3 and 6 each counting their share, and sharing a Redis through which they
+exchange their counts (`gateway/exchange.py`). With `--workers`, one gateway of 1 and of 4 processes on one port
 (`specgate serve --workers 4`, counting each other's requests through shared memory) in front of
 the same fleet, over HTTP likewise. Writes results.json and report.md (http.json, http.md;
 workers.json, workers.md) to `--out`.
@@ -41,7 +43,7 @@ from specgate.bench.offline import simulate
 from specgate.bench.replay import ReplaySettings, replay
 from specgate.calibration.modes import Pool
 from specgate.gateway.exchange import ExchangeSettings
-from specgate.testing import gateway_config, start_sim, stop_process
+from specgate.testing import RedisServer, free_port, gateway_config, start_sim, stop_process
 from specgate.workers import launch
 
 TRACES = Path("../shared/traces/azure_llm_2023")
@@ -159,15 +161,21 @@ MODEL = "herd-model"
 
 
 async def over_http(
-    cell: Cell, gateways: int, requests: int, load: float, traces: Path, folder: Path, processes: int = 1
-) -> dict[str, Any]:
+    cell: Cell, gateways: int, requests: int, load: float, traces: Path, folder: Path, processes: int = 1,
+    exchange: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """One run through `gateways` gateways of `processes` processes each in front of simulated
-    replicas (logs in `folder`)."""
+    replicas (logs in `folder`); with `exchange`, the gateways share a Redis (policy and counts)."""
     trace = loaded(cell, trace_path(traces, cell), requests, 0, load)
     modes = [Pool.SPECULATIVE] * cell.fleet[0] + [Pool.PLAIN] * cell.fleet[1]
     sims = []
     procs = []
+    redis = RedisServer(free_port(), folder) if exchange else None
     try:
+        store = ""
+        if redis is not None:
+            await asyncio.to_thread(redis.start)
+            store = f'[store]\nurl = "{redis.url}"\n'
         for i, mode in enumerate(modes):
             sims.append(await asyncio.to_thread(
                 start_sim, folder / f"sim-{i}.log", "--port", "0", "--mode", mode.value, "--profile", cell.profile,
@@ -176,7 +184,7 @@ async def over_http(
         pools = {pool: [s.url for s, m in zip(sims, modes, strict=True) if m is pool] for pool in Pool}
         config = await asyncio.to_thread(
             gateway_config, folder / "gateway.toml", MODEL, pools[Pool.SPECULATIVE], pools[Pool.PLAIN],
-            f'[policy]\npolicy = "adaptive"\nprofile = "{cell.profile}"\n',
+            f'{store}[policy]\npolicy = "adaptive"\nprofile = "{cell.profile}"\n',
         )  # fmt: skip
         argv = launch.specgate_argv("serve", "--config", str(config), "--port", "0", "--workers", str(processes))
         for g in range(gateways):
@@ -189,8 +197,10 @@ async def over_http(
             await launch.terminate(p)
         for s in sims:
             await asyncio.to_thread(stop_process, s.proc)
-    return {"cell": cell.label, "load": load, "gateways": gateways, "processes": processes, **result.summary(),
-            "failed": failed}  # fmt: skip
+        if redis is not None:
+            redis.stop()
+    return {"cell": cell.label, "load": load, "gateways": gateways, "processes": processes,
+            "counting": "exchange" if exchange else "share", **result.summary(), "failed": failed}  # fmt: skip
 
 
 def http_report(runs: Sequence[dict[str, Any]], command: str, by: str = "gateways") -> str:
@@ -200,12 +210,13 @@ def http_report(runs: Sequence[dict[str, Any]], command: str, by: str = "gateway
     lines = [
         f"# Many {by} in front of one fleet, over HTTP", "", f"`{command}`", "",
         f"{one['cell']}, load {one['load']:g}, {one['requests']} requests replayed in real time, {how}.", "",
-        f"| {by} | SLO attainment | difference to one | TTFT p99 ms | TPOT p99 ms | failed |",
-        "|---|---|---|---|---|---|",
+        f"| {by} | counting | SLO attainment | difference to one | TTFT p99 ms | TPOT p99 ms | failed |",
+        "|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in runs:
         to_one = (r["slo_attainment"] - one["slo_attainment"]) * 100
-        lines.append(f"| {r[by]} | {r['slo_attainment']:.3f} | {to_one:+.1f} | {r['ttft_p99_ms']:.0f} "
+        counting = r.get("counting", "share") if r[by] > 1 else "-"
+        lines.append(f"| {r[by]} | {counting} | {r['slo_attainment']:.3f} | {to_one:+.1f} | {r['ttft_p99_ms']:.0f} "
                      f"| {r['tpot_p99_ms']:.1f} | {r['failed']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -245,12 +256,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -
         return 0
     if args.http:
         runs = []
-        for n in GATEWAYS:
-            logs = Path("logs") / "herd-http" / f"x{n}"  # (gitignored)
+        for n, exchange in [(1, False), *((n, e) for n in GATEWAYS[1:] for e in (False, True))]:
+            logs = Path("logs") / "herd-http" / f"x{n}-{'exchange' if exchange else 'share'}"  # (gitignored)
             logs.mkdir(parents=True, exist_ok=True)
-            runs.append(asyncio.run(over_http(CELLS[0], n, args.requests, args.load, args.traces,
-                                              logs)))  # fmt: skip
-            print(f"{n} gateway(s): {runs[-1]['slo_attainment']:.3f}", file=sys.stderr)
+            runs.append(asyncio.run(over_http(CELLS[0], n, args.requests, args.load, args.traces, logs,
+                                              exchange=exchange)))  # fmt: skip
+            print(f"{n} gateway(s), {runs[-1]['counting']}: {runs[-1]['slo_attainment']:.3f}", file=sys.stderr)
         _write(args.out, "http", runs, http_report(runs, command))
         return 0
     policies = [p for p in args.policies.split(",") if p]

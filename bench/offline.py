@@ -274,9 +274,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             path.unlink()  # (mapped, it lives as long as they do)
     elif scenario.exchange_s is not None:
         for g in gateways:
-            path = SharedCounts.create(1, remote=scenario.gateways - 1)
+            path = SharedCounts.create(1, others=True)
             try:
-                shared[g] = SharedCounts(path, 1, 0, remote=scenario.gateways - 1)
+                shared[g] = SharedCounts(path, 1, 0, others=True)
             finally:
                 path.unlink()
     board: dict[str, bytes] = {}
@@ -326,8 +326,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     def exchange(now: float, gateway: int) -> None:
         counts = shared[gateway]
         assert counts is not None
-        board[str(gateway)] = counts.summary(now, (settings.rate_window_s, settings.burst_window_s), now)
-        counts.take_all(str(gateway), board, now, now, stale_s=settings.stale_after_s)
+        windows = (settings.rate_window_s, settings.burst_window_s)
+        board[str(gateway)] = counts.summary(now, windows, now)
+        counts.take_all(str(gateway), board, now, now, windows, stale_s=settings.stale_after_s, most=len(board))
 
     def arrive(index: int, request: TraceRequest) -> None:
         nonlocal arrivals_left

@@ -50,15 +50,17 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
-    def __init__(self, argv: Sequence[str], count: int, host: str, port: int, grace_s: float, remote: int = 0) -> None:
+    def __init__(
+        self, argv: Sequence[str], count: int, host: str, port: int, grace_s: float, others: bool = False
+    ) -> None:
         self.argv = list(argv)
         """`specgate serve` as it was called: each process runs it with its place added."""
         self.count = count
         self.host = host
         self.port = port
         self.grace_s = grace_s
-        self.remote = remote
-        """Rows of the shared counts for other gateways' (`gateway/exchange.py`)."""
+        self.others = others
+        """The shared counts keep a row for other gateways' (`gateway/exchange.py`)."""
         self.stopping = False
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.ready: dict[int, asyncio.Event] = {i: asyncio.Event() for i in range(count)}
@@ -66,7 +68,7 @@ class Supervisor:
     async def run(self, on_ready: Callable[[str], None]) -> None:
         sock = reserve_port(self.host, self.port)
         port = sock.getsockname()[1]
-        counts = SharedCounts.create(self.count, remote=self.remote)
+        counts = SharedCounts.create(self.count, others=self.others)
         metrics = Path(tempfile.mkdtemp(prefix="specgate-metrics-"))
         tasks = [
             asyncio.create_task(self._keep(i, port, counts, metrics), name=f"process-{i}") for i in range(self.count)
@@ -108,9 +110,8 @@ class Supervisor:
             code = await proc.wait()
             if self.stopping:
                 return
-            SharedCounts(
-                counts, self.count, index, self.remote
-            ).close()  # its requests died with it: none counted meanwhile
+            # Its requests died with it: none counted meanwhile (the first's exchange too: nor the others').
+            SharedCounts(counts, self.count, index, self.others).close()
             if time.monotonic() - started > STEADY_S:
                 delay = RESTART_S[0]
             _log.error(

@@ -180,7 +180,7 @@ def _supervise(
 
     argv = launch.specgate_argv(*args.argv)
     supervisor = Supervisor(
-        argv, args.workers, settings.host, settings.port, settings.shutdown_grace_s, settings.store.exchange_rows
+        argv, args.workers, settings.host, settings.port, settings.shutdown_grace_s, settings.store.exchanges
     )
     run_until_signalled(partial(supervisor.run, lambda url: ready(settings, url)))
     return 0

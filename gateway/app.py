@@ -105,7 +105,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     if settings.advisor.enabled:
         tasks.append(asyncio.create_task(advisor.run(), name="advisor"))
     exchange = None
-    if shared is not None and settings.store.url is not None and shared.rows > shared.processes and shared.index == 0:
+    if shared is not None and settings.store.url is not None and settings.store.exchanges and shared.index == 0:
         fleet_settings = settings.fleet
         exchange = CountExchange(
             settings.store.url, settings.store.prefix, shared, (fleet_settings.rate_window_s,
@@ -170,16 +170,16 @@ class _Scrapers:
 
 
 def _shared_counts(settings: GatewaySettings) -> SharedCounts | None:
-    """Where this gateway's processes count their requests (`workers/shared.py`), with rows for
-    other gateways' counts when it exchanges them through Redis; None for one process alone."""
-    group, remote = settings.processes, settings.store.exchange_rows
+    """Where this gateway's processes count their requests (`workers/shared.py`), with a row for
+    the other gateways' counts when it exchanges them through Redis; None for one process alone."""
+    group, others = settings.processes, settings.store.exchanges
     if group is not None:
-        return SharedCounts(group.counts, group.count, group.index, remote)
-    if not remote:
+        return SharedCounts(group.counts, group.count, group.index, others)
+    if not others:
         return None
-    path = SharedCounts.create(1, remote=remote)
+    path = SharedCounts.create(1, others=True)
     try:
-        return SharedCounts(path, 1, 0, remote)
+        return SharedCounts(path, 1, 0, others=True)
     finally:
         path.unlink()  # (mapped, it lives as long as the gateway)
 

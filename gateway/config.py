@@ -97,9 +97,9 @@ class StoreSettings:
     """Counts exchanged with the other gateways through the same Redis (`gateway/exchange.py`)."""
 
     @property
-    def exchange_rows(self) -> int:
-        """Rows of the shared counts kept for other gateways' (none without a Redis)."""
-        return self.exchange.rows(self.url)
+    def exchanges(self) -> bool:
+        """Whether the gateway counts the other gateways' requests through its Redis."""
+        return self.exchange.on(self.url)
 
 
 @dataclass(frozen=True)

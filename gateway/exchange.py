@@ -6,8 +6,8 @@ replica that looked idle (the herd effect). So every `interval_s` the gateway's 
 writes a summary of what its processes count (`workers/shared.py`: per replica the requests in
 flight, still prefilling, dispatched, their rates; per pool the step-cost fit's sums and the
 correction factors) into one hash field of `{prefix}:gateways`, reads everyone else's in the same
-round trip, and takes them into the rows of its shared counts kept for other gateways, where each
-of its processes counts them as it counts its siblings'. Each gateway then sees the fleet as one
+round trip, and sums them into the row of its shared counts kept for other gateways, where each of
+its processes counts them as it counts a sibling's. Each gateway then sees the fleet as one
 gateway would, a round trip and at most `interval_s` late. (In the offline simulator, 3 gateways
 exchanging every 0.1 s met 1.8 points fewer SLOs than one, every 0.025 s 1.3, counting each its
 share of the fleet's 3.5: `specgate bench herd`.)
@@ -48,13 +48,13 @@ class ExchangeSettings:
     interval_s: float = 0.05
     """How often a gateway writes its counts and reads the others'; 0 turns the exchange off."""
     gateways: int = 8
-    """Gateways counted, this one included: rows of the shared counts are kept for the others."""
+    """Gateways counted, this one included (the others' summaries read are summed, a bounded work)."""
     stale_s: float = 2.0
     """A summary older than this is not counted."""
 
-    def rows(self, store_url: str | None) -> int:
-        """Rows to keep for other gateways' counts: none without a store or with the exchange off."""
-        return self.gateways - 1 if store_url is not None and self.interval_s > 0 else 0
+    def on(self, store_url: str | None) -> bool:
+        """Whether counts are exchanged: through a store, unless turned off."""
+        return store_url is not None and self.interval_s > 0
 
 
 def gateway_name() -> str:
@@ -93,7 +93,8 @@ class CountExchange:
         found: dict[bytes, bytes] = replies[-1]
         now, wall = time.monotonic(), time.time()
         summaries = {name.decode(errors="replace"): value for name, value in found.items()}
-        self.counts.take_all(self.name, summaries, now, wall, self.settings.stale_s)
+        s = self.settings
+        self.counts.take_all(self.name, summaries, now, wall, self.windows, s.stale_s, most=s.gateways - 1)
         self._gone = [name for name, value in found.items() if _forgotten(value, wall)]
 
     async def run(self) -> None:
@@ -108,7 +109,7 @@ class CountExchange:
                     _log.warning("cannot exchange counts with the other gateways through Redis: %s", exc)
                 failures += 1
                 if time.monotonic() - ok_at > self.settings.stale_s:
-                    self.counts.forget(())  # the others' counts are stale: count this gateway's share instead
+                    self.counts.forget()  # the others' counts are stale: count this gateway's share instead
             backoff = min(self.settings.interval_s * 2.0**failures, MAX_BACKOFF_S) if failures else 0.0
             await asyncio.sleep(max(self.settings.interval_s, backoff))
 

@@ -116,15 +116,15 @@ def test_store_and_admin_settings() -> None:
     assert (s.store.url, s.store.prefix, s.store.refresh_s) == ("redis://127.0.0.1:6379/0", "blue", 0.5)
     assert s.store.cache == Path("/tmp/p.json")
     assert s.admin_token == "t" * 32
-    assert (s.store.exchange.interval_s, s.store.exchange_rows) == (0.05, 7)  # counts exchanged with 7 others
+    assert (s.store.exchange.interval_s, s.store.exchange.gateways, s.store.exchanges) == (0.05, 8, True)
 
 
 def test_counts_are_exchanged_only_through_a_redis_and_not_when_turned_off() -> None:
-    assert parse_settings(with_("store", exchange_ms=20)).store.exchange_rows == 0  # no Redis
-    off = parse_settings(with_("store", url="redis://r:6379/0", exchange_ms=0))
-    assert off.store.exchange_rows == 0
+    assert not parse_settings(with_("store", exchange_ms=20)).store.exchanges  # no Redis
+    assert not parse_settings(with_("store", url="redis://r:6379/0", exchange_ms=0)).store.exchanges
     three = parse_settings(with_("store", url="redis://r:6379/0", max_gateways=3, exchange_stale_ms=800))
-    assert (three.store.exchange_rows, three.store.exchange.stale_s) == (2, 0.8)
+    assert three.store.exchanges
+    assert (three.store.exchange.gateways, three.store.exchange.stale_s) == (3, 0.8)
 
 
 @pytest.mark.parametrize(("text", "message"), [("[models\n", "not valid TOML"), (None, "cannot read")])

@@ -216,10 +216,12 @@ def test_the_batch_an_answer_decoded_beside_counts_the_other_processes_requests(
 WINDOWS = (SETTINGS.rate_window_s, SETTINGS.burst_window_s)
 
 
-def exchanging(tmp_path: Path, processes: int, remote: int) -> list[Fleet]:
-    """One gateway of `processes` processes, with rows for `remote` other gateways' counts."""
-    path = SharedCounts.create(processes, tmp_path, remote=remote)
-    return [Fleet({Pool.PLAIN: [A, B]}, SETTINGS, SharedCounts(path, processes, i, remote)) for i in range(processes)]
+def gateway(tmp_path: Path, processes: int = 1) -> list[Fleet]:
+    """One gateway of `processes` processes, with a row for the other gateways' counts."""
+    path = SharedCounts.create(processes, tmp_path, others=True)
+    return [
+        Fleet({Pool.PLAIN: [A, B]}, SETTINGS, SharedCounts(path, processes, i, others=True)) for i in range(processes)
+    ]
 
 
 def counts(fleet: Fleet) -> SharedCounts:
@@ -227,25 +229,35 @@ def counts(fleet: Fleet) -> SharedCounts:
     return fleet.shared
 
 
-def test_a_gateway_counts_another_gateways_requests_as_last_exchanged(tmp_path: Path) -> None:
-    """The other gateway's processes' requests, summed, as one gateway of them would count them,
-    its rates and request-seconds moved to this gateway's clock (another monotonic origin)."""
-    theirs = exchanging(tmp_path, processes=2, remote=1)
-    (mine,) = exchanging(tmp_path, processes=1, remote=2)
+def take(fleet: Fleet, summaries: dict[str, bytes], now: float, wall: float, most: int = 7) -> int:
+    return counts(fleet).take_all("me", summaries, now, wall, WINDOWS, stale_s=2.0, most=most)
+
+
+def test_a_gateway_counts_the_other_gateways_requests_as_last_exchanged(tmp_path: Path) -> None:
+    """The other gateways' processes' requests, summed, as one gateway sending them all would
+    count them, their rates and request-seconds moved to this gateway's clock (another monotonic
+    origin) and to the moment each summary was taken."""
+    two = gateway(tmp_path, processes=2)
+    (three,) = gateway(tmp_path)
+    (mine,) = gateway(tmp_path)
     alone = Fleet({Pool.PLAIN: [A, B]}, SETTINGS)  # one gateway sending all their requests
-    for fleet, prompt in ((theirs[0], 500), (theirs[1], 300), (theirs[1], 200)):
-        by_url(fleet, A).dispatched_one(prompt, now=100.0)
-        by_url(alone, A).dispatched_one(prompt, now=100.0)
-    by_url(theirs[0], A).first_byte(500, now=100.5)
+    for fleet, prompt, at in ((two[0], 500, 100.0), (two[1], 300, 100.0), (two[1], 200, 100.2), (three, 50, 100.3)):
+        by_url(fleet, A).dispatched_one(prompt, now=at)
+        by_url(alone, A).dispatched_one(prompt, now=at)
+    by_url(two[0], A).first_byte(500, now=100.5)
     by_url(alone, A).first_byte(500, now=100.5)
-    summary = counts(theirs[0]).summary(101.0, WINDOWS, wall=1_000_000.0)
-    # taken 0.2 s later on this gateway's clock, which reads 5000 where theirs read 101.2
-    assert counts(mine).take("theirs", summary, 5000.0, wall=1_000_000.2, stale_s=2.0)
+    summaries = {  # taken at 101.0 and 101.1 on their clocks, 1_000_000.0 and .1 on the wall
+        "two": counts(two[0]).summary(101.0, WINDOWS, wall=1_000_000.0),
+        "three": counts(three).summary(101.1, WINDOWS, wall=1_000_000.1),
+    }
+    # read 0.2 s after the first was taken, by a gateway whose clock reads 5000 then
+    assert take(mine, summaries, 5000.0, wall=1_000_000.2) == 2
+    assert counts(mine).gateways_counted() == 2
     seen, truth = state(mine, A, 5001.0), state(alone, A, 101.2 + 1.0)
-    assert (seen["in_flight"], seen["prefilling"], seen["prefill_tokens"]) == (3, 2, 500)
+    assert (seen["in_flight"], seen["prefilling"], seen["prefill_tokens"]) == (4, 3, 550)
     assert seen["arrivals_per_s"] == pytest.approx(truth["arrivals_per_s"], rel=1e-9)
     stay = by_url(mine, A).dispatched_one(100, now=5000.0)
-    assert by_url(mine, A).request_seconds(5002.0) - stay.request_seconds == pytest.approx(8.0)  # 4 for 2 s
+    assert by_url(mine, A).request_seconds(5002.0) - stay.request_seconds == pytest.approx(10.0)  # 5 for 2 s
     assert state(mine, B, 5001.0)["in_flight"] == 0
     scrape(mine, 5001.0)
     assert mine.share.value == 1.0  # with every gateway counted, the fleet is seen whole: no share to divide by
@@ -253,27 +265,25 @@ def test_a_gateway_counts_another_gateways_requests_as_last_exchanged(tmp_path: 
 
 def test_only_a_gateways_own_processes_go_into_its_summary(tmp_path: Path) -> None:
     """What a gateway took from others is not passed on: counted once, by the gateway that sent it."""
-    first = exchanging(tmp_path, processes=1, remote=2)[0]
-    second = exchanging(tmp_path, processes=1, remote=2)[0]
-    third = exchanging(tmp_path, processes=1, remote=2)[0]
+    (first,) = gateway(tmp_path)
+    (second,) = gateway(tmp_path)
+    (third,) = gateway(tmp_path)
     by_url(first, A).dispatched_one(100, now=0.0)
     by_url(second, A).dispatched_one(100, now=0.0)
-    board = {name: counts(f).summary(0.0, WINDOWS, 0.0) for name, f in (("1", first), ("2", second))}
-    counts(second).take_all("2", board, 0.0, 0.0, 2.0)
+    board = {"1": counts(first).summary(0.0, WINDOWS, 0.0)}
+    counts(second).take_all("2", board, 0.0, 0.0, WINDOWS, 2.0, 7)
     board["2"] = counts(second).summary(0.0, WINDOWS, 0.0)  # after taking the first's
-    counts(third).take_all("3", board, 0.0, 0.0, 2.0)
+    assert counts(third).take_all("3", board, 0.0, 0.0, WINDOWS, 2.0, 7) == 2
     assert state(third, A, 0.0)["in_flight"] == 2
-    assert counts(third).gateways_counted() == 2
 
 
 def test_stale_malformed_and_surplus_summaries_are_not_counted(tmp_path: Path) -> None:
-    theirs = exchanging(tmp_path, processes=1, remote=1)[0]
-    (mine,) = exchanging(tmp_path, processes=1, remote=1)
+    (theirs,) = gateway(tmp_path)
+    (mine,) = gateway(tmp_path)
     by_url(theirs, A).dispatched_one(100, now=0.0)
     good = counts(theirs).summary(0.0, WINDOWS, wall=50.0)
-    shared = counts(mine)
-    assert not shared.take("old", good, 0.0, wall=53.0, stale_s=2.0)  # its gateway stopped writing 3 s ago
-    assert not shared.take("ahead", good, 0.0, wall=47.0, stale_s=2.0)  # a clock 3 s ahead: not trusted
+    assert take(mine, {"old": good}, 0.0, wall=53.0) == 0  # its gateway stopped writing 3 s ago
+    assert take(mine, {"ahead": good}, 0.0, wall=47.0) == 0  # a clock 3 s ahead: not to be trusted
     nan = bytearray(good)
     nan[-8:] = struct.pack("d", math.nan)
     negative, last_slot = bytearray(good), len(good) - 8 * FIELDS
@@ -281,34 +291,35 @@ def test_stale_malformed_and_surplus_summaries_are_not_counted(tmp_path: Path) -
     rng = random.Random(7)
     for bad in (b"", good[:-8], good + b"\0" * 8, bytes(nan), bytes(negative), b"\xff" * len(good),
                 bytes(rng.getrandbits(8) for _ in range(len(good)))):  # fmt: skip
-        assert not shared.take("bad", bad, 0.0, wall=50.0, stale_s=2.0), bad[:16]
+        assert take(mine, {"bad": bad}, 0.0, wall=50.0) == 0, bad[:16]
     assert state(mine, A, 0.0)["in_flight"] == 0
-    assert shared.take("one", good, 0.0, wall=50.0, stale_s=2.0)
-    assert not shared.take("two", good, 0.0, wall=50.0, stale_s=2.0)  # one row kept for others: it is taken
-    assert state(mine, A, 0.0)["in_flight"] == 1
-    shared.take_all("me", {"me": good}, 0.0, 50.0, 2.0)  # "one" no longer writes: forgotten
+    assert take(mine, {"one": good, "two": good, "three": good}, 0.0, wall=50.0, most=2) == 2  # at most 2
+    assert state(mine, A, 0.0)["in_flight"] == 2
+    assert take(mine, {"me": good}, 0.0, wall=50.0) == 0  # its own: not counted twice
     assert state(mine, A, 0.0)["in_flight"] == 0
-    assert shared.gateways_counted() == 0
+    assert take(mine, {"one": good}, 0.0, wall=50.0) == 1
+    counts(mine).forget()  # Redis away: the others' counts go stale
+    assert (state(mine, A, 0.0)["in_flight"], counts(mine).gateways_counted()) == (0, 0)
 
 
-def test_a_replica_another_gateway_no_longer_counts_is_dropped_from_its_row(tmp_path: Path) -> None:
-    theirs = exchanging(tmp_path, processes=1, remote=1)[0]
-    (mine,) = exchanging(tmp_path, processes=1, remote=1)
+def test_a_replica_the_other_gateways_no_longer_count_is_dropped_from_their_row(tmp_path: Path) -> None:
+    (theirs,) = gateway(tmp_path)
+    (mine,) = gateway(tmp_path)
     by_url(theirs, A).dispatched_one(100, now=0.0)
-    assert counts(mine).take("theirs", counts(theirs).summary(0.0, WINDOWS, 0.0), 0.0, 0.0, 2.0)
-    row = counts(mine).remote["theirs"]
+    take(mine, {"theirs": counts(theirs).summary(0.0, WINDOWS, 0.0)}, 0.0, 0.0)
+    row = counts(mine).processes
     assert counts(mine).find(row, key_of(B)) is not None
     generation = counts(mine).generation(row)
     theirs.reconcile({Pool.PLAIN: [A]})  # B left their fleet
-    assert counts(mine).take("theirs", counts(theirs).summary(0.1, WINDOWS, 0.1), 0.1, 0.1, 2.0)
+    take(mine, {"theirs": counts(theirs).summary(0.1, WINDOWS, 0.1)}, 0.1, 0.1)
     assert counts(mine).find(row, key_of(B)) is None
     assert counts(mine).generation(row) > generation  # readers search the row again
     assert state(mine, A, 0.1)["in_flight"] == 1
 
 
 def test_gateways_fit_from_each_others_answers_and_move_one_set_of_factors(tmp_path: Path) -> None:
-    theirs = exchanging(tmp_path, processes=1, remote=1)[0]
-    (mine,) = exchanging(tmp_path, processes=1, remote=1)
+    (theirs,) = gateway(tmp_path)
+    (mine,) = gateway(tmp_path)
     alone = FleetSettings().latency_fit()
     answers(theirs.fits[Pool.PLAIN], 60, slower=2.0)
     answers(alone, 60, slower=2.0)
@@ -316,7 +327,7 @@ def test_gateways_fit_from_each_others_answers_and_move_one_set_of_factors(tmp_p
     for _ in range(20):
         theirs.fits[Pool.PLAIN].observe(100.0, None, replace(priced, queued=True))
         alone.observe(100.0, None, replace(priced, queued=True))
-    assert counts(mine).take("theirs", counts(theirs).summary(0.0, WINDOWS, 0.0), 0.0, 0.0, 2.0)
+    take(mine, {"theirs": counts(theirs).summary(0.0, WINDOWS, 0.0)}, 0.0, 0.0)
     fit = mine.fits[Pool.PLAIN]
     fit.follow("profile")
     fit.refresh()

@@ -23,8 +23,9 @@ order they find them, which need not agree. A row's first slot counts the change
 Other gateways in front of the same fleet (other hosts) are counted the same way, a little later:
 the gateway's first process publishes a `summary` of its processes' rows and fits every fraction
 of a second, through the policy's Redis (`gateway/exchange.py`), and writes the other gateways'
-summaries into rows of the file kept for them (`take`), where every process reads them as it reads
-its siblings'. A summary's times are ages, moved to the reader's clock on the way in.
+summaries, summed, into one more row of the file (`take_all`), where every process reads them as it
+reads a sibling's. A summary's times are those of its taking, moved to the reader's clock on the
+way in.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import mmap
 import os
 import tempfile
 from array import array
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,22 +95,22 @@ class Others:
 
 
 class SharedCounts:
-    """The mapped file: a row of `SLOTS` slots per process and per other gateway (`remote`), then
-    each row's fits. Made once by the supervisor (`create`); opened by each process here, which
-    clears its row and its fits (the first process, which writes the other gateways' rows, those too)."""
+    """The mapped file: a row of `SLOTS` slots per process and one for the other gateways' (their
+    sum), then each row's fits. Made once by the supervisor (`create`); opened by each process
+    here, which clears its row and its fits (the first process, which writes the other gateways'
+    row, that too)."""
 
-    def __init__(self, path: Path, processes: int, index: int, remote: int = 0) -> None:
+    def __init__(self, path: Path, processes: int, index: int, others: bool = False) -> None:
         self.path = path
         self.processes = processes
-        self.rows = processes + remote
+        self.rows = processes + others
+        """A row per process, and with `others` one more: the other gateways' counts, summed."""
         self.index = index
         """This process's row."""
         with path.open("r+b") as file:
             self._map = mmap.mmap(file.fileno(), _size(self.rows))
         self.words = memoryview(self._map).cast("d")
         self.keys = memoryview(self._map).cast("q")
-        self._remote: dict[str, int] = {}
-        """The other gateways whose summaries this process takes, and their rows."""
         for row in [index, *(range(processes, self.rows) if index == 0 else ())]:
             self._clear(row)  # a process restarted in its row starts afresh
 
@@ -123,15 +124,15 @@ class SharedCounts:
             self.keys[word] = 0
 
     @staticmethod
-    def create(processes: int, directory: Path | None = None, remote: int = 0) -> Path:
-        """A zeroed file for `processes` rows and `remote` other gateways', in shared memory where
-        there is one; the caller removes it."""
+    def create(processes: int, directory: Path | None = None, others: bool = False) -> Path:
+        """A zeroed file for `processes` rows and, with `others`, the other gateways', in shared
+        memory where there is one; the caller removes it."""
         if directory is None:
             shm = Path("/dev/shm")
             directory = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
         fd, name = tempfile.mkstemp(prefix="specgate-counts-", dir=directory)
         with os.fdopen(fd, "wb") as file:
-            file.truncate(_size(processes + remote))
+            file.truncate(_size(processes + others))
         return Path(name)
 
     def slot(self, url: str) -> SharedSlot:
@@ -178,7 +179,7 @@ class SharedCounts:
     # --- between gateways ---------------------------------------------------------------------
 
     def summary(self, now: float, windows: tuple[float, ...], wall: float) -> bytes:
-        """This gateway's counts for the other gateways (`take`), taken at `now` (monotonic) and
+        """This gateway's counts for the other gateways (`take_all`), taken at `now` (monotonic) and
         `wall` (Unix seconds): per replica its processes' slots summed, their rates and
         request-seconds brought to `now`; per pool its processes' fit sums (of the basis most
         answers were fitted against) and the latest of their correction factors. Other gateways'
@@ -229,59 +230,72 @@ class SharedCounts:
             out_keys[at + _FACTORS_STAMP] = keys[latest + _FACTORS_STAMP]
             out_keys[at + _FACTORS_BASIS] = keys[latest + _FACTORS_BASIS]
 
-    def take(self, gateway: str, summary: bytes, now: float, wall: float, stale_s: float) -> bool:
-        """Another gateway's `summary` into the row kept for it (one taken if it has none), its
-        times moved to this process's clock (`now`, `wall`: as in `summary`). False, and nothing
-        written, when it is not a summary, is older than `stale_s` or finds no row free."""
-        parsed = _parsed(summary)
-        if parsed is None:
-            return False
-        words, slots = parsed
-        age = wall - words[1]
-        if not -stale_s <= age <= stale_s:  # (a clock far ahead of this one's: as untrusted)
-            return False
-        row = self._remote.get(gateway)
-        if row is None:
-            free = set(range(self.processes, self.rows)) - set(self._remote.values())
-            if not free:
-                return False
-            row = self._remote[gateway] = min(free)
-        taken_at = now - max(age, 0.0)
+    def take_all(
+        self, me: str, summaries: Mapping[str, bytes], now: float, wall: float, windows: tuple[float, ...],
+        stale_s: float, most: int,
+    ) -> int:  # fmt: skip
+        """The other gateways' summaries (all but `me`'s), summed into the row kept for them, their
+        times moved to this process's clock (`now`, `wall`: as in `summary`); how many were summed.
+        A summary is left out when it is not one (of this layout, whole, its counts finite and none
+        negative) or is older than `stale_s` (or as far ahead: a clock not to be trusted); at most
+        `most` are summed, in the order of their names. One row, whatever their number: a reader's
+        work does not grow with the gateways."""
+        slots: dict[int, list[float]] = {}
+        fits = [array("d", [0.0] * FIT_FIELDS) for _ in range(FITS)]
+        counted = 0
+        for name in sorted(summaries):
+            parsed = _parsed(summaries[name]) if name != me and counted < most else None
+            if parsed is None:
+                continue
+            words, found = parsed
+            age = wall - words[1]
+            if not -stale_s <= age <= stale_s:
+                continue
+            counted, age = counted + 1, max(age, 0.0)
+            for key, at in found.items():
+                into = slots.setdefault(key, [0.0] * FIELDS)
+                for field in range(_IN_FLIGHT, _RATES):
+                    into[field] += words[at + field]
+                for i, window in enumerate(windows):
+                    keep = math.exp(-age / window)
+                    into[_RATES + 3 * i] += words[at + _RATES + 3 * i] * keep
+                    into[_RATES + 3 * i + 1] += words[at + _RATES + 3 * i + 1] * keep
+                into[_REQUEST_SECONDS] += words[at + _REQUEST_SECONDS] + words[at + _IN_FLIGHT] * age
+            for fit in range(FITS):
+                _add_fit(fits[fit], words, _HEADER + fit * FIT_FIELDS)
+        self._write_others(slots, fits, now, counted)
+        return counted
+
+    def _write_others(self, slots: dict[int, list[float]], fits: list[array[float]], now: float, counted: int) -> None:
+        row = self.processes
         for fit in range(FITS):
-            self._take_fit(words, _HEADER + fit * FIT_FIELDS, self._fit_base(row, fit))
-        start, keep = row * SLOTS, set(slots)
-        changed = False
+            base, taken = self._fit_base(row, fit), memoryview(fits[fit]).cast("B").cast("q")
+            self.keys[base + _BASIS] = self.keys[base + _FACTORS_BASIS] = 0  # (a reader skips them while they change)
+            self.words[base + _FITTED : base + _FACTORS_BASIS] = fits[fit][_FITTED:_FACTORS_BASIS]
+            self.words[base + _TTFT_FACTOR], self.words[base + _TPOT_FACTOR] = fits[fit][_TTFT_FACTOR:_FACTORS_STAMP]
+            self.keys[base + _FACTORS_STAMP] = taken[_FACTORS_STAMP]
+            self.keys[base + _BASIS], self.keys[base + _FACTORS_BASIS] = taken[_BASIS], taken[_FACTORS_BASIS]
+        start, changed = row * SLOTS, False
         for slot in range(start + 1, start + SLOTS):
-            if self.keys[slot * FIELDS] not in (0, *keep):
+            if self.keys[slot * FIELDS] not in (0, *slots):
                 self._free(slot)
                 changed = True
-        for key, at in slots.items():
+        for key, fields in slots.items():
             found = self.find(row, key)
             if found is None:
                 found = self.find(row, 0)
-                assert found is not None  # (a summary holds SLOTS - 1 replicas at most)
+                if found is None:
+                    continue  # (more replicas than a row holds: counted by its share)
                 changed = True
             base = found * FIELDS
-            self.words[base + 1 : base + FIELDS] = words[at + 1 : at + FIELDS]
+            self.words[base + 1 : base + FIELDS] = array("d", fields[1:])
             for i in range(2):
-                self.words[base + _RATES + 3 * i + 2] = taken_at
-            self.words[base + _REQUEST_SECONDS + 1] = taken_at
+                self.words[base + _RATES + 3 * i + 2] = now
+            self.words[base + _REQUEST_SECONDS + 1] = now
             self.keys[base] = key  # last: a reader finds it only once it is written
+        self.words[start * FIELDS + 1] = counted
         if changed:
             self.keys[start * FIELDS] += 1
-        return True
-
-    def _take_fit(self, words: memoryview[float], at: int, base: int) -> None:
-        keys = memoryview(words).cast("B").cast("q")
-        self.keys[base + _BASIS] = self.keys[base + _FACTORS_BASIS] = 0  # (a reader skips them while they change)
-        self.words[base + _FITTED : base + _FACTORS_BASIS] = words[at + _FITTED : at + _FACTORS_BASIS]
-        self.words[base + _TTFT_FACTOR], self.words[base + _TPOT_FACTOR] = (
-            words[at + _TTFT_FACTOR],
-            words[at + _TPOT_FACTOR],
-        )
-        self.keys[base + _FACTORS_STAMP] = keys[at + _FACTORS_STAMP]
-        self.keys[base + _BASIS] = keys[at + _BASIS]
-        self.keys[base + _FACTORS_BASIS] = keys[at + _FACTORS_BASIS]
 
     def _free(self, slot: int) -> None:
         base = slot * FIELDS
@@ -289,27 +303,14 @@ class SharedCounts:
         for field in range(1, FIELDS):
             self.words[base + field] = 0.0
 
-    def take_all(self, me: str, summaries: Mapping[str, bytes], now: float, wall: float, stale_s: float) -> None:
-        """Every other gateway's summary (`take`); the rows of those without one taken forgotten."""
-        taken = [g for g, summary in summaries.items() if g != me and self.take(g, summary, now, wall, stale_s)]
-        self.forget(taken)
-
-    def forget(self, keep: Collection[str]) -> None:
-        """Clear the rows of the other gateways not in `keep`: gone, or silent for too long."""
-        for gateway in [g for g in self._remote if g not in keep]:
-            self._clear(self._remote.pop(gateway))
+    def forget(self) -> None:
+        """Count no other gateway: their counts are stale (Redis away)."""
+        if self.rows > self.processes:
+            self._write_others({}, [array("d", [0.0] * FIT_FIELDS) for _ in range(FITS)], 0.0, 0)
 
     def gateways_counted(self) -> int:
-        """Other gateways' rows that count a replica now."""
-        return sum(
-            any(self.keys[slot * FIELDS] for slot in range(row * SLOTS + 1, (row + 1) * SLOTS))
-            for row in range(self.processes, self.rows)
-        )
-
-    @property
-    def remote(self) -> Mapping[str, int]:
-        """The other gateways whose counts this process takes, and their rows."""
-        return self._remote
+        """The other gateways whose counts the row kept for them sums."""
+        return int(self.words[self.processes * SLOTS * FIELDS + 1]) if self.rows > self.processes else 0
 
     def close(self) -> None:
         self.words.release()
@@ -463,3 +464,19 @@ def taken_at(summary: bytes) -> float | None:
     """When a summary was taken (Unix seconds); None if it is not one."""
     parsed = _parsed(summary)
     return parsed[0][1] if parsed is not None else None
+
+
+def _add_fit(into: array[float], words: memoryview[float], at: int) -> None:
+    """Another gateway's fit into the sum of theirs: its sums if fitted against the basis of those
+    before it (or the first), and its correction factors if they are the latest (the highest stamp)."""
+    keys, sums = memoryview(words).cast("B").cast("q"), memoryview(into).cast("B").cast("q")
+    basis = keys[at + _BASIS]
+    if basis != 0 and sums[_BASIS] in (0, basis):
+        for word in range(_FITTED, _FACTORS_BASIS):
+            into[word] += words[at + word]
+        sums[_BASIS] = basis
+    if keys[at + _FACTORS_BASIS] != 0 and (
+        sums[_FACTORS_BASIS] == 0 or keys[at + _FACTORS_STAMP] > sums[_FACTORS_STAMP]
+    ):
+        into[_TTFT_FACTOR], into[_TPOT_FACTOR] = words[at + _TTFT_FACTOR], words[at + _TPOT_FACTOR]
+        sums[_FACTORS_STAMP], sums[_FACTORS_BASIS] = keys[at + _FACTORS_STAMP], keys[at + _FACTORS_BASIS]
