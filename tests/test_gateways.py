@@ -132,9 +132,17 @@ async def test_gateways_on_one_redis_count_each_others_requests(
             assert not any(await asyncio.gather(*streams))
             assert await until(lambda: _is(counted(pair_url), (0, 0.0)), timeout_s=5.0), await counted(pair_url)
             assert all(await asyncio.gather(*(stream(session, pair_url, asyncio.Event()) for _ in range(2))))
+            redis_server.stop()  # the exchange fails, the gateway serves on
+            assert await until(lambda: _is(failures(pair_url), True), timeout_s=5.0)
+            assert all(await asyncio.gather(*(stream(session, pair_url, asyncio.Event()) for _ in range(2))))
     finally:
         for p in (alone, pair):
             await launch.terminate(p)
+
+
+async def failures(url: str) -> bool:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+        return (sample_value(await r.text(), "specgate_count_exchange_failures_total") or 0.0) > 0
 
 
 async def _is(value: Awaitable[object], expected: object) -> bool:
