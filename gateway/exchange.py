@@ -102,6 +102,8 @@ class CountExchange:
         while True:
             try:
                 await self.once()
+                if failures:
+                    _log.warning("exchanging counts with the other gateways again, after %d failed rounds", failures)
                 failures, ok_at = 0, time.monotonic()
             except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
                 self.on_failure()

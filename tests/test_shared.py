@@ -16,7 +16,7 @@ from specgate.calibration.modes import Pool
 from specgate.workers.latency_fit import LatencyFit, Priced
 from specgate.workers.pools import Fleet, FleetSettings, Replica
 from specgate.workers.scrape import VllmLoad
-from specgate.workers.shared import FIELDS, SLOTS, SharedCounts, key_of
+from specgate.workers.shared import FIELDS, FIT_FIELDS, SLOTS, SharedCounts, key_of
 
 SETTINGS = FleetSettings()
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
@@ -288,8 +288,14 @@ def test_stale_malformed_and_surplus_summaries_are_not_counted(tmp_path: Path) -
     nan[-8:] = struct.pack("d", math.nan)
     negative, last_slot = bytearray(good), len(good) - 8 * FIELDS
     negative[last_slot + 8 : last_slot + 16] = struct.pack("d", -4.0)  # in flight: -4
+    factor_at = 3 + FIT_FIELDS - 3  # the first fit's TTFT factor (`workers/shared.py`'s layout)
+    priced = Priced("profile", (20.0, 0.0, 30.0, 1.0), (10.0, 2.0, 0.0, 0.0), (10.0, 2.0, 0.0, 0.0), queued=True)
+    for fit in theirs.fits.values():
+        fit.observe(100.0, None, priced)
+    zero_factor = bytearray(counts(theirs).summary(0.0, WINDOWS, wall=50.0))
+    zero_factor[8 * factor_at : 8 * factor_at + 8] = struct.pack("d", 0.0)
     rng = random.Random(7)
-    for bad in (b"", good[:-8], good + b"\0" * 8, bytes(nan), bytes(negative), b"\xff" * len(good),
+    for bad in (b"", good[:-8], good + b"\0" * 8, bytes(nan), bytes(negative), bytes(zero_factor), b"\xff" * len(good),
                 bytes(rng.getrandbits(8) for _ in range(len(good)))):  # fmt: skip
         assert take(mine, {"bad": bad}, 0.0, wall=50.0) == 0, bad[:16]
     assert state(mine, A, 0.0)["in_flight"] == 0

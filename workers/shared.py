@@ -438,7 +438,7 @@ class SharedFit:
 
 def _parsed(summary: bytes) -> tuple[memoryview[float], dict[int, int]] | None:
     """A summary's words and where each replica's slot starts in them; None if it is not one (of
-    this layout, whole, every count finite and none negative)."""
+    this layout, whole, every number finite, no count negative and its factors positive)."""
     if len(summary) % 8 or len(summary) < (_HEADER + FITS * FIT_FIELDS) * 8:
         return None
     words, keys = memoryview(summary).cast("d"), memoryview(summary).cast("q")
@@ -449,7 +449,10 @@ def _parsed(summary: bytes) -> tuple[memoryview[float], dict[int, int]] | None:
     for fit in range(FITS):
         at = _HEADER + fit * FIT_FIELDS
         floats += words[at + _FITTED : at + _FACTORS_BASIS]
-        floats += (words[at + _TTFT_FACTOR], words[at + _TPOT_FACTOR])
+        factors = (words[at + _TTFT_FACTOR], words[at + _TPOT_FACTOR])
+        if keys[at + _FACTORS_BASIS] != 0 and not all(f > 0 for f in factors):
+            return None  # (a factor multiplies every prediction: none at zero or below)
+        floats += factors
     slots: dict[int, int] = {}
     for i in range(replicas):
         at = _HEADER + FITS * FIT_FIELDS + i * FIELDS
