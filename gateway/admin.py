@@ -161,9 +161,10 @@ async def get_fleet(request: web.Request) -> web.Response:
     advisor = advice.view() if advice is not None else None
     group = request.app[SETTINGS].processes
     process = {"index": group.index + 1, "count": group.count} if group is not None else None
-    return _json(
-        {"profile": plan.profile, "replicas": replicas, "pools": pools, "advisor": advisor, "process": process}
-    )
+    shared = fleet.shared
+    exchange = {"gateways_counted": shared.gateways_counted()} if shared and shared.rows > shared.processes else None
+    return _json({"profile": plan.profile, "replicas": replicas, "pools": pools, "advisor": advisor,
+                  "process": process, "exchange": exchange})  # fmt: skip
 
 
 def add_admin_routes(app: web.Application) -> None:

@@ -88,7 +88,9 @@ async def counted(url: str) -> tuple[int, float | None]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     async with aiohttp.ClientSession() as session:  # a connection of its own: either process may answer
         async with session.get(f"{url}/admin/fleet", headers=headers) as r:
-            replicas = (await r.json())["replicas"]
+            view = await r.json()
+            replicas = view["replicas"]
+            assert view["exchange"]["gateways_counted"] in (0, 1)
         async with session.get(f"{url}/metrics") as r:
             others = sample_value(await r.text(), "specgate_gateways_counted")
     return sum(rep["in_flight"] for rep in replicas), others
