@@ -17,9 +17,9 @@ With `--http`, the same over HTTP: 1, 3 and 6 `specgate serve` processes in fron
 `specgate sim` replicas (the base cell's fleet and profile, in real time), a slice of the
 conversation trace replayed by the client in turn through each gateway (`bench.replay`), at about
 the fleet's capacity; 3 and 6 each counting their share, and sharing a Redis through which they
-exchange their counts (`gateway/exchange.py`). With `--workers`, one gateway of 1 and of 4 processes on one port
-(`specgate serve --workers 4`, counting each other's requests through shared memory) in front of
-the same fleet, over HTTP likewise. Writes results.json and report.md (http.json, http.md;
+exchange their counts (`gateway/exchange.py`). With `--workers`, one gateway of 1 and of 4
+processes on one port (`specgate serve --workers 4`, counting each other's requests through shared
+memory) in front of the same fleet, over HTTP likewise. Writes results.json and report.md (http.json, http.md;
 workers.json, workers.md) to `--out`.
 """
 
@@ -210,13 +210,14 @@ def http_report(runs: Sequence[dict[str, Any]], command: str, by: str = "gateway
     lines = [
         f"# Many {by} in front of one fleet, over HTTP", "", f"`{command}`", "",
         f"{one['cell']}, load {one['load']:g}, {one['requests']} requests replayed in real time, {how}.", "",
-        f"| {by} | counting | SLO attainment | difference to one | TTFT p99 ms | TPOT p99 ms | failed |",
-        "|---|---|---|---|---|---|---|",
+        f"| {by} |{' counting |' if by == 'gateways' else ''} SLO attainment | difference to one | TTFT p99 ms "
+        "| TPOT p99 ms | failed |",
+        "|---|---|---|---|---|---|" + ("---|" if by == "gateways" else ""),
     ]  # fmt: skip
     for r in runs:
         to_one = (r["slo_attainment"] - one["slo_attainment"]) * 100
-        counting = r.get("counting", "share") if r[by] > 1 else "-"
-        lines.append(f"| {r[by]} | {counting} | {r['slo_attainment']:.3f} | {to_one:+.1f} | {r['ttft_p99_ms']:.0f} "
+        counting = f" {r['counting'] if r[by] > 1 else '-'} |" if by == "gateways" else ""
+        lines.append(f"| {r[by]} |{counting} {r['slo_attainment']:.3f} | {to_one:+.1f} | {r['ttft_p99_ms']:.0f} "
                      f"| {r['tpot_p99_ms']:.1f} | {r['failed']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
