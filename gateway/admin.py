@@ -162,7 +162,7 @@ async def get_fleet(request: web.Request) -> web.Response:
     group = request.app[SETTINGS].processes
     process = {"index": group.index + 1, "count": group.count} if group is not None else None
     shared = fleet.shared
-    exchange = {"gateways_counted": shared.gateways_counted()} if shared and shared.rows > shared.processes else None
+    exchange = {"gateways_counted": shared.gateways_counted()} if shared and shared.others else None
     return _json({"profile": plan.profile, "replicas": replicas, "pools": pools, "advisor": advisor,
                   "process": process, "exchange": exchange})  # fmt: skip
 

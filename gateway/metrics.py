@@ -272,7 +272,7 @@ class GatewayMetrics:
             "specgate_count_exchange_failures", "Rounds in which the gateway could not exchange its counts "
             "with the other gateways through Redis.", registry=r if with_store else None,
         )  # fmt: skip
-        if fleet.shared is not None and fleet.shared.rows > fleet.shared.processes:  # (a row for other gateways')
+        if fleet.shared is not None and fleet.shared.others:
             counted = Gauge("specgate_gateways_counted", "Other gateways whose requests this gateway counts "
                             "as they are sent (exchanged through Redis).", registry=r)  # fmt: skip
             counted.set_function(lambda: float(fleet.shared.gateways_counted()) if fleet.shared is not None else 0.0)

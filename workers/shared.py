@@ -103,8 +103,10 @@ class SharedCounts:
     def __init__(self, path: Path, processes: int, index: int, others: bool = False) -> None:
         self.path = path
         self.processes = processes
+        self.others = others
+        """Whether it keeps a row for the other gateways' counts, summed (`take_all`)."""
         self.rows = processes + others
-        """A row per process, and with `others` one more: the other gateways' counts, summed."""
+        """A row per process, and with `others` one more."""
         self.index = index
         """This process's row."""
         with path.open("r+b") as file:
@@ -192,16 +194,7 @@ class SharedCounts:
                 key = keys[base]
                 if key == 0:
                     continue
-                into = slots.setdefault(key, [0.0] * FIELDS)
-                for field in range(_IN_FLIGHT, _RATES):
-                    into[field] += words[base + field]
-                for i, window in enumerate(windows):
-                    at_word = base + _RATES + 3 * i
-                    keep = math.exp(-max(now - words[at_word + 2], 0.0) / window)
-                    into[_RATES + 3 * i] += words[at_word] * keep
-                    into[_RATES + 3 * i + 1] += words[at_word + 1] * keep
-                since = max(now - words[base + _REQUEST_SECONDS + 1], 0.0)
-                into[_REQUEST_SECONDS] += words[base + _REQUEST_SECONDS] + words[base + _IN_FLIGHT] * since
+                _add_slot(slots.setdefault(key, [0.0] * FIELDS), words, base, windows, now)
         out = array("d", [0.0] * (_HEADER + FITS * FIT_FIELDS + len(slots) * FIELDS))
         out_keys = memoryview(out).cast("B").cast("q")
         out_keys[0], out[1], out_keys[2] = _MAGIC, wall, len(slots)
@@ -252,15 +245,8 @@ class SharedCounts:
             if not -stale_s <= age <= stale_s:
                 continue
             counted, age = counted + 1, max(age, 0.0)
-            for key, at in found.items():
-                into = slots.setdefault(key, [0.0] * FIELDS)
-                for field in range(_IN_FLIGHT, _RATES):
-                    into[field] += words[at + field]
-                for i, window in enumerate(windows):
-                    keep = math.exp(-age / window)
-                    into[_RATES + 3 * i] += words[at + _RATES + 3 * i] * keep
-                    into[_RATES + 3 * i + 1] += words[at + _RATES + 3 * i + 1] * keep
-                into[_REQUEST_SECONDS] += words[at + _REQUEST_SECONDS] + words[at + _IN_FLIGHT] * age
+            for key, at in found.items():  # (a summary's times are 0, its taking: `age` is now on its clock)
+                _add_slot(slots.setdefault(key, [0.0] * FIELDS), words, at, windows, age)
             for fit in range(FITS):
                 _add_fit(fits[fit], words, _HEADER + fit * FIT_FIELDS)
         self._write_others(slots, fits, now, counted)
@@ -305,12 +291,12 @@ class SharedCounts:
 
     def forget(self) -> None:
         """Count no other gateway: their counts are stale (Redis away)."""
-        if self.rows > self.processes:
+        if self.others:
             self._write_others({}, [array("d", [0.0] * FIT_FIELDS) for _ in range(FITS)], 0.0, 0)
 
     def gateways_counted(self) -> int:
         """The other gateways whose counts the row kept for them sums."""
-        return int(self.words[self.processes * SLOTS * FIELDS + 1]) if self.rows > self.processes else 0
+        return int(self.words[self.processes * SLOTS * FIELDS + 1]) if self.others else 0
 
     def close(self) -> None:
         self.words.release()
@@ -434,6 +420,20 @@ class SharedFit:
                 for j in range(4):
                     xx[i][j] += words[base + _XX + 4 * i + j]
         return fitted, xx, xy
+
+
+def _add_slot(into: list[float], words: memoryview[float], base: int, windows: tuple[float, ...], now: float) -> None:
+    """The slot at `base` of `words` added to `into`: its counts, and its rates and request-seconds
+    brought to `now` (on the clock its times are on)."""
+    for field in range(_IN_FLIGHT, _RATES):
+        into[field] += words[base + field]
+    for i, window in enumerate(windows):
+        at_word = base + _RATES + 3 * i
+        keep = math.exp(-max(now - words[at_word + 2], 0.0) / window)
+        into[_RATES + 3 * i] += words[at_word] * keep
+        into[_RATES + 3 * i + 1] += words[at_word + 1] * keep
+    since = max(now - words[base + _REQUEST_SECONDS + 1], 0.0)
+    into[_REQUEST_SECONDS] += words[base + _REQUEST_SECONDS] + words[base + _IN_FLIGHT] * since
 
 
 def _parsed(summary: bytes) -> tuple[memoryview[float], dict[int, int]] | None:
