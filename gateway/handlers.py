@@ -46,10 +46,10 @@ async def ready(request: web.Request) -> web.Response:
     fleet = request.app[FLEET]
     # Names, pools and health only: replicas' internal addresses are not for anyone who asks.
     replicas = {
-        r.name: {"pool": r.pool.value, "healthy": r.healthy, "state": r.health.state.value}
+        r.name: {"pool": r.pool.value, "healthy": r.healthy, "state": r.health.state.value, "drained": r.drained}
         for r in fleet.replicas.values()
     }
-    ok = fleet.any_healthy()
+    ok = fleet.any_serving()
     body = {"status": "ready" if ok else "unready", "replicas": replicas}
     return web.Response(status=200 if ok else 503, body=orjson.dumps(body), content_type="application/json")
 

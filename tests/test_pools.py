@@ -179,9 +179,25 @@ def test_acceptance_is_a_window_over_recent_drafts_pooled_per_pool() -> None:
 def test_fleet_names_replicas_by_pool() -> None:
     fleet = Fleet({Pool.SPECULATIVE: ["http://a", "http://b"], Pool.PLAIN: ["http://c"]}, SETTINGS)
     assert list(fleet.replicas) == ["spec-0", "spec-1", "plain-0"]
-    assert not fleet.any_healthy()
+    assert not fleet.any_serving()
     snapshot = fleet.snapshot(0.0)
     assert [r.pool for r in snapshot.replicas] == [Pool.SPECULATIVE, Pool.SPECULATIVE, Pool.PLAIN]
+
+
+def test_a_fleet_drained_whole_does_not_serve_however_healthy_its_servers() -> None:
+    fleet = Fleet({Pool.SPECULATIVE: ["http://a"], Pool.PLAIN: ["http://c"]}, SETTINGS)
+    for replica in fleet.replicas.values():
+        fleet.scraped(replica, load(), 10.0, 0)
+    assert fleet.any_serving()
+    fleet.arrange({}, {"http://a"})
+    assert fleet.any_serving()  # the plain one still takes requests
+    fleet.arrange({}, {"http://a", "http://c"})
+    assert all(r.healthy for r in fleet.replicas.values())
+    assert not fleet.any_serving()
+    fleet.arrange({}, set())
+    assert not fleet.any_serving()  # back from a drain, each is admitted at its next good scrape
+    fleet.scraped(fleet.replicas["plain-0"], load(), 11.0, 0)
+    assert fleet.any_serving()
 
 
 def test_a_replica_failing_a_share_of_its_requests_is_ejected_though_never_three_in_a_row() -> None:

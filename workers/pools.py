@@ -646,8 +646,10 @@ class Fleet:
             return float("nan")
         return time.monotonic() - replica.scraped_at
 
-    def any_healthy(self) -> bool:
-        return any(r.healthy for r in self.replicas.values())
+    def any_serving(self) -> bool:
+        """Some replica takes requests: admitted, and neither drained nor retired (a fleet drained
+        whole, for a switch or by discovery, cannot serve however healthy its servers)."""
+        return any(r.healthy and not r.drained for r in self.replicas.values())
 
     def scraped(self, replica: Replica, load: VllmLoad, now: float, dispatched_at_send: float) -> None:
         """A scrape of `replica` answered with `load` (`dispatched_at_send`: `dispatched_by_gateway`
