@@ -27,7 +27,7 @@ from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import PROFILES, Profile
 from specgate.gateway.advisor import Governor
-from specgate.policies.admission import QUEUE_FULL, AdmissionQueue
+from specgate.policies.admission import QUEUE_FULL, REVIEW_INTERVAL_S, AdmissionQueue
 from specgate.policies.decision import Decision, Hold, Shed, Verdict
 from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, Switching, parse
 from specgate.policies.features import RequestFeatures, SloTargets
@@ -42,8 +42,6 @@ from specgate.workers.shared import SharedCounts
 from specgate.workers.snapshot import ReplicaState, Scales
 
 MODEL = "model"
-REVIEW_INTERVAL_S = 0.05
-"""How often held requests are offered the fleet again, besides whenever a request finishes."""
 MAX_TOKENS = 4096
 """The cap every simulated client sends: generous, as real clients set it, and not the answer."""
 

@@ -14,12 +14,10 @@ from dataclasses import dataclass, field
 
 from specgate.gateway.journey import Journey
 from specgate.gateway.metrics import GatewayMetrics
-from specgate.policies.admission import QUEUE_FULL, AdmissionQueue
+from specgate.policies.admission import QUEUE_FULL, REVIEW_INTERVAL_S, AdmissionQueue
 from specgate.policies.decision import Decision, Shed, Verdict
 from specgate.policies.features import RequestFeatures
 from specgate.workers.pools import Fleet
-
-REVIEW_INTERVAL_S = 0.05
 
 _log = logging.getLogger(__name__)
 

@@ -24,6 +24,9 @@ from specgate.validation import Milliseconds
 
 H = TypeVar("H")
 
+REVIEW_INTERVAL_S = 0.05
+"""How often whoever holds the queue offers the fleet to its requests again, besides whenever a
+request ends (the gateway and the offline simulator alike)."""
 QUEUE_FULL = "queue-full"
 DEADLINE = "deadline"
 
