@@ -13,13 +13,15 @@ from __future__ import annotations
 import logging
 import time
 
+from aiohttp import web
+
 from specgate.calibration.modes import Pool
 from specgate.gateway.advisor import Seen, TrafficWindow
 from specgate.gateway.attempt import Attempt
 from specgate.gateway.errors import GatewayError
 from specgate.gateway.journey import Journey
 from specgate.gateway.metrics import GatewayMetrics
-from specgate.gateway.tracing import Tracer
+from specgate.gateway.tracing import Span, Tracer
 from specgate.policies.drafts import DraftStats
 from specgate.policies.length import LengthStats
 
@@ -95,13 +97,27 @@ class Feedback:
             met = outcome.tpot_s * 1e3 <= headers.slo_tpot_ms
             self.metrics.slo.labels("tpot", "met" if met else "missed", pool, request_class).inc()
 
-    def refused(self, journey: Journey | None, error: GatewayError) -> None:
-        """The gateway answered with an error of its own (nothing of a replica reached the client)."""
+    def refused(
+        self, journey: Journey | None, error: GatewayError, request: web.Request | None = None,
+        span: Span | None = None,
+    ) -> None:  # fmt: skip
+        """The gateway answered with an error of its own (nothing of a replica reached the client);
+        without a journey, before the request was read whole and parsed: its `request` and `span`."""
         self.metrics.requests.labels("none", error.reason, str(error.status)).inc()
         if journey is not None:
             self._log(journey, error.status, "none", "-", error.reason, None)
             if journey.span is not None:
                 self._trace(journey, error.status, {"specgate.reason": error.reason}, error=error.message)
+            return
+        if request is None:
+            return
+        if self.access_log:
+            ACCESS_LOG.info("%s %s %d request_id=- reason=%s", request.method, request.path, error.status, error.reason)
+        if span is not None and self.tracer is not None:
+            self.tracer.end(span, "specgate.route", {
+                "http.request.method": request.method, "url.path": request.path,
+                "http.response.status_code": error.status, "specgate.reason": error.reason,
+            }, error=error.message)  # fmt: skip
 
     def _trace(self, journey: Journey, status: int, attributes: dict[str, object], error: str | None = None) -> None:
         """The request's span, with what routed it and what it got; ended once."""

@@ -46,7 +46,7 @@ from specgate.gateway.feedback import Feedback
 from specgate.gateway.journey import Journey, upstream_headers
 from specgate.gateway.metrics import GatewayMetrics
 from specgate.gateway.sla import parse_routing_headers
-from specgate.gateway.tracing import TRACEPARENT, Tracer
+from specgate.gateway.tracing import TRACEPARENT, Span, Tracer
 from specgate.policies.admission import DEADLINE, QUEUE_FULL
 from specgate.policies.decision import Hold, Shed
 from specgate.policies.drafts import DraftStats, group
@@ -126,13 +126,16 @@ class Relay:
             self._handlers.discard(task)
 
     async def _handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        # The span starts as the request arrives: one refused before its body was read or parsed
+        # (too large, too slow, not JSON, a client without the rights) is traced too.
+        span = self.tracer.start(request.headers.get(TRACEPARENT)) if self.tracer is not None else None
         try:
             key = self.clients.identify(request.headers) if self.clients is not None else None
-            journey = await self._journey(request, endpoint)
+            journey = await self._journey(request, endpoint, span)
             if key is not None:
                 check_rights(key, journey.headers.forced_pool, journey.headers.priority)
         except GatewayError as error:
-            self.feedback.refused(None, error)
+            self.feedback.refused(None, error, request, span)
             raise
         try:
             if key is not None and self.clients is not None:
@@ -151,7 +154,7 @@ class Relay:
             if key is not None and self.clients is not None:
                 self.clients.release(key)
 
-    async def _journey(self, request: web.Request, endpoint: Endpoint) -> Journey:
+    async def _journey(self, request: web.Request, endpoint: Endpoint, span: Span | None) -> Journey:
         if request.content_type in CROSS_SITE_TYPES:
             raise UnsupportedMediaType(f"send the body as application/json, not {request.content_type}")
         limit = self.settings.max_body_bytes
@@ -197,7 +200,6 @@ class Relay:
         forwarded = upstream_headers(
             request, headers.request_id, forward_authorization=self.settings.forward_authorization
         )
-        span = self.tracer.start(request.headers.get(TRACEPARENT)) if self.tracer is not None else None
         if span is not None:  # the replica's spans under the gateway's
             forwarded[TRACEPARENT] = span.traceparent
         return Journey(request, endpoint, raw, fields, headers, features, plan, forwarded, draft_group, span=span)

@@ -718,7 +718,12 @@ async def test_the_gateways_own_errors_are_counted_and_logged(caplog: pytest.Log
             statuses = await gateway_status_counts(url)
     assert statuses == {"400": 2.0, "404": 1.0}
     lines = [r.getMessage() for r in caplog.records if r.name == "specgate.access"]
-    assert lines == []  # refused before a journey began: counted, but nothing to log about a route
+    # refused before a route began: counted, and a line each with what refused it
+    assert lines == [
+        "POST /v1/chat/completions 400 request_id=- reason=invalid_header",
+        "POST /v1/chat/completions 404 request_id=- reason=model_not_found",
+        "POST /v1/chat/completions 400 request_id=- reason=invalid_body",
+    ]
 
 
 async def test_the_access_log_has_a_line_per_routed_request(caplog: pytest.LogCaptureFixture) -> None:

@@ -118,6 +118,32 @@ async def test_each_request_is_a_span_under_the_clients_trace_and_the_replica_ha
     assert int(joined["endTimeUnixNano"]) >= int(joined["startTimeUnixNano"])
 
 
+async def test_a_request_refused_before_it_is_parsed_is_traced_too(replica: tuple[str, list[str | None]]) -> None:
+    url, seen = replica
+    collector = Collector()
+    async with running_app(collector.app()) as otlp:
+        settings = GatewaySettings(
+            models=(MODEL,), pools={Pool.PLAIN: (url,)}, port=0, fleet=FleetSettings(scrape_interval_s=0.05),
+            tracing=TracingSettings(otlp_url=f"{otlp}/v1/traces", interval_s=0.05),
+        )  # fmt: skip
+        parent = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "content-type": "application/json"}
+        async with running_app(make_app(settings)) as gateway, aiohttp.ClientSession() as session:
+            async with session.post(f"{gateway}/v1/chat/completions", data=b"{not json", headers=parent) as r:
+                assert r.status == 400
+            for _ in range(100):
+                if collector.spans:
+                    break
+                await asyncio.sleep(0.05)
+    assert not seen  # nothing reached the replica
+    (span,) = collector.spans
+    assert (span["traceId"], span["parentSpanId"]) == (CLIENT_TRACE, CLIENT_SPAN)
+    got = attributes(span)
+    assert got["http.response.status_code"] == "400"
+    assert got["url.path"] == "/v1/chat/completions"
+    assert got["specgate.reason"] == "invalid_body"
+    assert span["status"]["code"] == 2  # an error, with the gateway's message
+
+
 async def test_a_collector_that_refuses_costs_dropped_spans_not_requests() -> None:
     collector = Collector()
     collector.refuse = True
