@@ -16,7 +16,7 @@ from specgate.calibration.modes import Pool
 from specgate.workers.latency_fit import LatencyFit, Priced
 from specgate.workers.pools import Fleet, FleetSettings, Replica
 from specgate.workers.scrape import VllmLoad
-from specgate.workers.shared import FIELDS, FIT_FIELDS, SLOTS, SharedCounts, key_of
+from specgate.workers.shared import FIELDS, FIT_FIELDS, SLOTS, SharedCounts, key_of, taken_at
 
 SETTINGS = FleetSettings()
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
@@ -306,6 +306,10 @@ def test_stale_malformed_and_surplus_summaries_are_not_counted(tmp_path: Path) -
     assert take(mine, {"one": good}, 0.0, wall=50.0) == 1
     counts(mine).forget()  # Redis away: the others' counts go stale
     assert (state(mine, A, 0.0)["in_flight"], counts(mine).gateways_counted()) == (0, 0)
+    # When a summary was taken, for whoever deletes old ones: from its header, the rest unread.
+    assert taken_at(good) == taken_at(bytes(negative)) == 50.0
+    for bad in (b"", good[:16], good[:-4], b"\xff" * len(good), struct.pack("qdq", 1, 50.0, 0)):
+        assert taken_at(bad) is None, bad[:16]
 
 
 def test_a_replica_the_other_gateways_no_longer_count_is_dropped_from_their_row(tmp_path: Path) -> None:
