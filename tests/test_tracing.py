@@ -54,6 +54,14 @@ def attributes(span: dict[str, Any]) -> dict[str, object]:
     return {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
 
 
+def traced(replica: str, otlp: str) -> GatewaySettings:
+    """A gateway in front of `replica`, posting every request's span to the collector at `otlp`."""
+    return GatewaySettings(
+        models=(MODEL,), pools={Pool.PLAIN: (replica,)}, port=0, fleet=FleetSettings(scrape_interval_s=0.05),
+        tracing=TracingSettings(otlp_url=f"{otlp}/v1/traces", interval_s=0.05),
+    )  # fmt: skip
+
+
 @pytest.fixture
 async def replica() -> AsyncIterator[tuple[str, list[str | None]]]:
     """A fast fixed upstream that records the traceparent of each request it gets."""
@@ -82,10 +90,7 @@ async def test_each_request_is_a_span_under_the_clients_trace_and_the_replica_ha
     url, seen = replica
     collector = Collector()
     async with running_app(collector.app()) as otlp:
-        settings = GatewaySettings(
-            models=(MODEL,), pools={Pool.PLAIN: (url,)}, port=0, fleet=FleetSettings(scrape_interval_s=0.05),
-            tracing=TracingSettings(otlp_url=f"{otlp}/v1/traces", interval_s=0.05),
-        )  # fmt: skip
+        settings = traced(url, otlp)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         async with running_app(make_app(settings)) as gateway, aiohttp.ClientSession() as session:
             parent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
@@ -122,10 +127,7 @@ async def test_a_request_refused_before_it_is_parsed_is_traced_too(replica: tupl
     url, seen = replica
     collector = Collector()
     async with running_app(collector.app()) as otlp:
-        settings = GatewaySettings(
-            models=(MODEL,), pools={Pool.PLAIN: (url,)}, port=0, fleet=FleetSettings(scrape_interval_s=0.05),
-            tracing=TracingSettings(otlp_url=f"{otlp}/v1/traces", interval_s=0.05),
-        )  # fmt: skip
+        settings = traced(url, otlp)
         parent = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "content-type": "application/json"}
         async with running_app(make_app(settings)) as gateway, aiohttp.ClientSession() as session:
             async with session.post(f"{gateway}/v1/chat/completions", data=b"{not json", headers=parent) as r:
