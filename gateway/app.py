@@ -279,9 +279,16 @@ def make_app(settings: GatewaySettings) -> web.Application:
 def make_runner(app: web.Application, settings: GatewaySettings) -> GuardedRunner:
     """The runner that serves the gateway, with its connection limits."""
     limits = settings.limits
+
+    def refused(status: int, code: str) -> None:  # counted as the gateway's other errors are
+        metrics = app.get(METRICS)
+        if metrics is not None:
+            metrics.requests.labels("none", code, str(status)).inc()
+
     return GuardedRunner(
         app,
         limits,
+        refused,
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=settings.shutdown_grace_s,

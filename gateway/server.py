@@ -48,6 +48,10 @@ class Limits:
     """Headers in a request: more is 431."""
 
 
+Refused = Callable[[int, str], None]
+"""Told of each answer the server gives itself, before any handler: its status and error code."""
+
+
 def _error(status: int, message: str, kind: str, code: str) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
@@ -81,7 +85,7 @@ class GuardedHandler(RequestHandler):
         manager = self._manager
         assert isinstance(manager, GuardedServer)
         if len(manager.connections) >= manager.max_connections:
-            manager.refused += 1
+            manager.refused(503, "overloaded")
             body = _error(503, "the gateway is at its connection limit; retry later", "server_error", "overloaded")
             head = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
             assert isinstance(transport, asyncio.Transport)
@@ -102,6 +106,9 @@ class GuardedHandler(RequestHandler):
         if self._request_in_progress or self._messages:
             return  # a request arrived whole: its handler runs
         if self.transport is not None and not self.transport.is_closing():
+            manager = self._manager
+            assert isinstance(manager, GuardedServer)
+            manager.refused(408, "request_timeout")
             body = _error(408, "the request was not received in time", "invalid_request_error", "request_timeout")
             head = b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
             head += b"Server: %s\r\n" % SERVER.encode()
@@ -148,6 +155,9 @@ class GuardedHandler(RequestHandler):
         self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
     ) -> web.StreamResponse:
         code, text, kind = _classify(exc, status)
+        manager = self._manager
+        assert isinstance(manager, GuardedServer)
+        manager.refused(code, kind)
         if code == 500 and exc is not None:
             _log.error("error handling a request from %s", request.remote, exc_info=exc)
         error_type = "invalid_request_error" if code < 500 else "server_error"
@@ -160,21 +170,26 @@ class GuardedHandler(RequestHandler):
 
 
 class GuardedServer(web.Server):
-    def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: Limits, on_refused: Refused | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
         self.max_connections = capped_connections(limits.max_connections)
-        self.refused = 0
-        """Connections answered 503 at the limit."""
+        self.on_refused = on_refused
+
+    def refused(self, status: int, code: str) -> None:
+        """The server answered a connection or a request itself, before any handler ran."""
+        if self.on_refused is not None:
+            self.on_refused(status, code)
 
     def __call__(self) -> RequestHandler:
         return GuardedHandler(self, loop=self._loop, **self._kwargs)
 
 
 class GuardedRunner(web.AppRunner):
-    def __init__(self, app: web.Application, limits: Limits, **kwargs: Any) -> None:
+    def __init__(self, app: web.Application, limits: Limits, on_refused: Refused | None = None, **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self.limits = limits
+        self.on_refused = on_refused
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
@@ -183,6 +198,7 @@ class GuardedRunner(web.AppRunner):
             request_factory=server.request_factory,
             handler_cancellation=server.handler_cancellation,
             limits=self.limits,
+            on_refused=self.on_refused,
             **server._kwargs,
         )
         return guarded

@@ -687,6 +687,18 @@ async def test_clients_that_abort_streams_never_eject_a_healthy_replica(sim_fact
     assert statuses.get("499", 0) >= 1
 
 
+async def gateway_error_counts(url: str) -> dict[tuple[str, str], float]:
+    """The gateway's own errors in specgate_requests_total (pool `none`), by reason and status."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    return {
+        (s.labels["reason"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "specgate_requests_total" and s.labels["pool"] == "none"
+    }
+
+
 async def gateway_status_counts(url: str) -> dict[str, float]:
     """specgate_requests_total summed by status."""
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
@@ -862,6 +874,8 @@ async def test_requests_too_broken_for_a_handler_get_the_openai_error_shape(
     assert head.split(b" ")[1] == b"%d" % status, head[:80]
     assert json.loads(body)["error"]["code"] == code
     assert b"\r\nServer: specgate\r\n" in head + b"\r\n"  # not the framework and its version
+    if code is not None:  # counted as the gateway's other errors are, though no handler ran
+        assert (await gateway_error_counts(gateway)).get((code, str(status)), 0) >= 1
 
 
 async def test_every_answer_names_the_product_not_the_framework(gateway: str) -> None:
@@ -913,6 +927,9 @@ async def test_slow_and_idle_sockets_cannot_take_the_gateway_off_the_air(fleet: 
         async with client(url) as api:  # and the gateway serves
             reply = await api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
         assert reply.choices[0].message.content
+        errors = await gateway_error_counts(url)
+    assert errors[("overloaded", "503")] == 1
+    assert errors[("request_timeout", "408")] == 21  # 20 heads, 1 body
 
 
 async def test_compressed_bodies_and_connection_named_headers() -> None:
