@@ -265,7 +265,7 @@ async def _server_header(_: web.Request, response: web.StreamResponse) -> None:
 
 
 def make_app(settings: GatewaySettings) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=settings.max_body_bytes)
+    app = web.Application(middlewares=[openai_errors(_count_error)], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_resources)
     app.on_shutdown.append(_drain)
@@ -276,19 +276,25 @@ def make_app(settings: GatewaySettings) -> web.Application:
     return app
 
 
+def _count_error(request: web.Request, status: int, code: str) -> None:
+    """An error the gateway answered with, in `specgate_requests_total` (not the admin API's)."""
+    if not request.path.startswith("/admin/"):
+        _count_refused(request.app, status, code)
+
+
+def _count_refused(app: web.Application, status: int, code: str) -> None:
+    metrics = app.get(METRICS)
+    if metrics is not None:  # (none before the gateway's resources are up)
+        metrics.requests.labels("none", code, str(status)).inc()
+
+
 def make_runner(app: web.Application, settings: GatewaySettings) -> GuardedRunner:
     """The runner that serves the gateway, with its connection limits."""
     limits = settings.limits
-
-    def refused(status: int, code: str) -> None:  # counted as the gateway's other errors are
-        metrics = app.get(METRICS)
-        if metrics is not None:
-            metrics.requests.labels("none", code, str(status)).inc()
-
     return GuardedRunner(
         app,
         limits,
-        refused,
+        partial(_count_refused, app),
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=settings.shutdown_grace_s,

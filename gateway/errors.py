@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 _log = logging.getLogger(__name__)
 
@@ -165,24 +166,38 @@ def error_response(err: GatewayError, headers: dict[str, str] | None = None) -> 
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Counted = Callable[[web.Request, int, str], None]
+"""Told of each error the gateway answers with: the request, the status and the error's code."""
 
 
-@web.middleware
-async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves in the OpenAI shape: ours, aiohttp's own (404, 405) and bugs alike."""
-    try:
-        return await handler(request)
-    except Overloaded as err:
-        return error_response(err, {"Retry-After": str(max(round(err.retry_after_s), 1))})
-    except GatewayError as err:
-        return error_response(err)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return http_error_response(exc)
-    except Exception:
-        _log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(GatewayError("internal gateway error"))
+def openai_errors(counted: Counted | None = None) -> Middleware:
+    """The middleware through which every error leaves in the OpenAI shape (ours, aiohttp's own
+    404 and 405, and bugs alike), each told to `counted`."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except Overloaded as err:
+            failure: GatewayError = err
+            response = error_response(err, {"Retry-After": str(max(round(err.retry_after_s), 1))})
+        except GatewayError as err:
+            failure, response = err, error_response(err)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            if counted is not None:
+                counted(request, exc.status, exc.reason.lower().replace(" ", "_"))
+            return http_error_response(exc)
+        except Exception:
+            _log.exception("unhandled error on %s %s", request.method, request.path)
+            failure = GatewayError("internal gateway error")
+            response = error_response(failure)
+        if counted is not None:
+            counted(request, failure.status, failure.reason)
+        return response
+
+    return middleware
 
 
 SERVER = "specgate"

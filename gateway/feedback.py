@@ -102,8 +102,8 @@ class Feedback:
         span: Span | None = None,
     ) -> None:  # fmt: skip
         """The gateway answered with an error of its own (nothing of a replica reached the client);
-        without a journey, before the request was read whole and parsed: its `request` and `span`."""
-        self.metrics.requests.labels("none", error.reason, str(error.status)).inc()
+        without a journey, before the request was read whole and parsed: its `request` and `span`.
+        (It is counted where it is rendered: `errors.openai_errors`.)"""
         if journey is not None:
             self._log(journey, error.status, "none", "-", error.reason, None)
             if journey.span is not None:

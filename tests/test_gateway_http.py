@@ -379,6 +379,8 @@ async def test_unknown_routes_answer_in_the_openai_shape(gateway: str, method: s
         assert r.status == status
         body = await r.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}
+    reason = {404: "not_found", 405: "method_not_allowed"}[status]
+    assert (await gateway_error_counts(gateway)).get((reason, str(status)), 0) >= 1  # counted as the others are
 
 
 async def test_models_health_ready_metrics(gateway: str, fleet: dict[Pool, list[SimProcess]]) -> None:
