@@ -179,22 +179,19 @@ def openai_errors(counted: Counted | None = None) -> Middleware:
         try:
             return await handler(request)
         except Overloaded as err:
-            failure: GatewayError = err
-            response = error_response(err, {"Retry-After": str(max(round(err.retry_after_s), 1))})
+            code, response = err.reason, error_response(err, {"Retry-After": str(max(round(err.retry_after_s), 1))})
         except GatewayError as err:
-            failure, response = err, error_response(err)
+            code, response = err.reason, error_response(err)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            if counted is not None:
-                counted(request, exc.status, exc.reason.lower().replace(" ", "_"))
-            return http_error_response(exc)
+            code, response = exc.reason.lower().replace(" ", "_"), http_error_response(exc)
         except Exception:
             _log.exception("unhandled error on %s %s", request.method, request.path)
             failure = GatewayError("internal gateway error")
-            response = error_response(failure)
+            code, response = failure.reason, error_response(failure)
         if counted is not None:
-            counted(request, failure.status, failure.reason)
+            counted(request, response.status, code)
         return response
 
     return middleware

@@ -78,12 +78,13 @@ class GuardedHandler(RequestHandler):
 
     def __init__(self, manager: GuardedServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
+        self._guarded = manager
+        """`_manager`, as the server it is: its limits, and who is told of what it refuses."""
         self._limits = manager.limits
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        manager = self._manager
-        assert isinstance(manager, GuardedServer)
+        manager = self._guarded
         if len(manager.connections) >= manager.max_connections:
             manager.refused(503, "overloaded")
             body = _error(503, "the gateway is at its connection limit; retry later", "server_error", "overloaded")
@@ -106,9 +107,7 @@ class GuardedHandler(RequestHandler):
         if self._request_in_progress or self._messages:
             return  # a request arrived whole: its handler runs
         if self.transport is not None and not self.transport.is_closing():
-            manager = self._manager
-            assert isinstance(manager, GuardedServer)
-            manager.refused(408, "request_timeout")
+            self._guarded.refused(408, "request_timeout")
             body = _error(408, "the request was not received in time", "invalid_request_error", "request_timeout")
             head = b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
             head += b"Server: %s\r\n" % SERVER.encode()
@@ -155,9 +154,7 @@ class GuardedHandler(RequestHandler):
         self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
     ) -> web.StreamResponse:
         code, text, kind = _classify(exc, status)
-        manager = self._manager
-        assert isinstance(manager, GuardedServer)
-        manager.refused(code, kind)
+        self._guarded.refused(code, kind)
         if code == 500 and exc is not None:
             _log.error("error handling a request from %s", request.remote, exc_info=exc)
         error_type = "invalid_request_error" if code < 500 else "server_error"
