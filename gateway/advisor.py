@@ -16,7 +16,9 @@ gateway can restart servers (a [launch] section and a policy store): then, when 
 plans in a row want the same direction, each predicting at least `min_gain` more SLO attainment
 for the recommended split than for the current one, and no move was made in the last
 `cooldown_ms`, it switches one server (`gateway/switching.py`), never leaving a pool with fewer
-than `min_per_pool`. The `Governor` holds that hysteresis; the offline simulator runs the same one.
+than `min_per_pool`; and, while every plan after it still wants that direction, one more each
+`cooldown_ms`, until one does not. The `Governor` holds that hysteresis; the offline simulator
+runs the same one.
 """
 
 from __future__ import annotations
@@ -143,7 +145,9 @@ class Governor:
     """When a plan moves a server: hysteresis over the advisor's successive plans."""
 
     streak: int = 0
-    """Plans in a row that wanted a move in `direction`."""
+    """Plans in a row that wanted a move in `direction` (a move does not end the streak: once
+    confirmed, a direction is followed, a server each cooldown, until a plan stops wanting it;
+    confirming each move anew made the fleet a phase late for every phase of a day)."""
     direction: int = 0
     moved_at: float = -math.inf
 
@@ -171,7 +175,7 @@ class Governor:
         self.direction = step
         if self.streak < rules.confirmations or now - self.moved_at < rules.cooldown_ms / 1e3:
             return 0
-        self.streak, self.moved_at = 0, now
+        self.moved_at = now
         return step
 
 

@@ -82,6 +82,18 @@ def test_the_governor_moves_one_server_after_plans_agree_and_waits_after_a_move(
     assert [g.move(RULES, flat, 3, 1, 4, now=t) for t in (0.0, 100.0, 200.0)] == [0, 0, 0]
 
 
+def test_the_governor_follows_a_confirmed_direction_a_server_each_cooldown() -> None:
+    more = {0: 0.70, 1: 0.75, 2: 0.80, 3: 0.85, 4: 0.90}
+    flat = dict.fromkeys(range(5), 0.8)
+    rules = msgspec.structs.replace(RULES, min_per_pool=0)
+    g = Governor()
+    steps = [g.move(rules, more, 4, current, 4, now=t) for t, current in ((0.0, 0), (60.0, 0), (120.0, 1), (180.0, 2))]
+    assert steps == [0, 1, 1, 1]  # confirmed once, then one server a plan (a cooldown apart) toward the target
+    assert g.move(rules, flat, 3, 3, 4, now=240.0) == 0  # a plan that sees nothing to gain ends it
+    assert g.move(rules, more, 4, 3, 4, now=300.0) == 0  # and the direction must be confirmed anew
+    assert g.move(rules, more, 4, 3, 4, now=360.0) == 1
+
+
 def test_the_governor_forgets_a_streak_when_the_plans_change_their_mind() -> None:
     more, fewer = {1: 0.8, 2: 0.85, 3: 0.9}, {1: 0.9, 2: 0.85, 3: 0.8}
     g = Governor()
