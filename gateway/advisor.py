@@ -50,7 +50,11 @@ _log = logging.getLogger(__name__)
 class AdvisorSettings:
     enabled: bool = True
     interval_s: float = 300.0
-    """How often it plans (and the longest one plan may take)."""
+    """How often it plans: this long after the last plan ended."""
+    plan_timeout_s: float = 300.0
+    """The longest one plan may take (a child process simulating every split): past it, no plan
+    this time. Not the interval: on a slow machine a plan may take longer than a short interval,
+    and would then never finish."""
     window_s: float = 900.0
     """How far back the traffic it plans on goes."""
     min_requests: int = 100
@@ -245,7 +249,7 @@ class Advisor:
             preexec_fn=launch.die_with_parent,
         )  # fmt: skip
         try:
-            out, err = await asyncio.wait_for(proc.communicate(trace_csv(seen)), timeout=self.settings.interval_s)
+            out, err = await asyncio.wait_for(proc.communicate(trace_csv(seen)), timeout=self.settings.plan_timeout_s)
         finally:
             if proc.returncode is None:  # timed out or cancelled: it goes too
                 with contextlib.suppress(ProcessLookupError):

@@ -105,7 +105,7 @@ def bias(seen: list[Seen], kind: str) -> float:
     return statistics.median(math.log(getattr(s, f"{kind}_ms") / getattr(s, f"predicted_{kind}_ms")) for s in seen)
 
 
-async def drive(settings: GatewaySettings, authorized: bool = False) -> tuple[list[Seen], dict[str, Any], str]:
+async def drive(settings: GatewaySettings) -> tuple[list[Seen], dict[str, Any], str]:
     """240 requests, 4 at once, through a gateway of `settings`; what they saw, and then the
     gateway's /admin/fleet and /metrics."""
     rng = random.Random(3)
@@ -134,8 +134,8 @@ async def test_a_profile_three_times_too_fast_is_refitted(fleet: dict[Pool, tupl
         document = parse({"schema_version": 1, "policy": "adaptive", "profile": profile}, profiles=profiles)
         return replace(base, policy=document)
 
-    # What the model misses when it knows the replicas' true costs (the same requests): the
-    # spread a refitted gateway cannot go below, whatever else shares the machine's cores.
+    # What the model misses when it knows the replicas' true costs (the same requests, on the same
+    # machine as loaded): the most a refit can hope for.
     oracle, _, _ = await drive(routing_on(truth.name))
     seen, report, metrics = await drive(routing_on(H100_LLAMA31_8B.name))
     first, last = seen[:4], seen[-80:]  # the first four went out before any answer came back
