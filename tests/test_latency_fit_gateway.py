@@ -33,6 +33,11 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 SLOWER = 3.0
 
 
+def truth() -> profile_file.ProfileFile:
+    """What the simulated replicas really cost: the gateway's profile, SLOWER times dearer."""
+    return profile_file.ProfileFile(slower(SLOWER), "a test", datetime.date(2026, 12, 1))
+
+
 def slower(factor: float) -> Profile:
     """The gateway's profile, every cost `factor` times dearer: other hardware."""
     steps = H100_LLAMA31_8B.steps
@@ -51,12 +56,13 @@ def slower(factor: float) -> Profile:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Pool, tuple[str, ...]]]:
     root = tmp_path_factory.mktemp("fit")
-    truth = root / "slower.json"
-    truth.write_bytes(profile_file.dumps(slower(SLOWER), "a test", datetime.date(2026, 12, 1)))
+    real = truth()
+    path = root / "slower.json"
+    path.write_bytes(profile_file.dumps(real.profile, real.source, real.created))
     sims: list[SimProcess] = []
     try:
         for mode in ("speculative", "plain"):
-            sims.append(start_sim(root / f"{mode}.log", "--mode", mode, "--model", MODEL, "--profile-file", str(truth)))
+            sims.append(start_sim(root / f"{mode}.log", "--mode", mode, "--model", MODEL, "--profile-file", str(path)))
         yield {Pool.SPECULATIVE: (sims[0].url,), Pool.PLAIN: (sims[1].url,)}
     finally:
         for sim in sims:
@@ -95,14 +101,19 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random) -> S
                 float(headers["x-predicted-tpot-ms"]))  # fmt: skip
 
 
+def _log_ratios(seen: list[Seen], kind: str) -> list[float]:
+    """log(measured / predicted) of each request's `kind` (ttft, tpot)."""
+    return [math.log(getattr(s, f"{kind}_ms") / getattr(s, f"predicted_{kind}_ms")) for s in seen]
+
+
 def off(seen: list[Seen], kind: str) -> float:
     """Median |log(measured / predicted)|: how far single predictions miss, either way."""
-    return statistics.median(abs(math.log(getattr(s, f"{kind}_ms") / getattr(s, f"predicted_{kind}_ms"))) for s in seen)
+    return statistics.median(abs(r) for r in _log_ratios(seen, kind))
 
 
 def bias(seen: list[Seen], kind: str) -> float:
     """Median log(measured / predicted): how far the predictions miss on the whole."""
-    return statistics.median(math.log(getattr(s, f"{kind}_ms") / getattr(s, f"predicted_{kind}_ms")) for s in seen)
+    return statistics.median(_log_ratios(seen, kind))
 
 
 async def drive(settings: GatewaySettings) -> tuple[list[Seen], dict[str, Any], str]:
@@ -125,8 +136,8 @@ async def drive(settings: GatewaySettings) -> tuple[list[Seen], dict[str, Any], 
 
 @pytest.mark.slow
 async def test_a_profile_three_times_too_fast_is_refitted(fleet: dict[Pool, tuple[str, ...]]) -> None:
-    truth = slower(SLOWER)
-    profiles = profile_file.with_files([profile_file.ProfileFile(truth, "a test", datetime.date(2026, 12, 1))])
+    real = truth()
+    profiles = profile_file.with_files([real])
     base = GatewaySettings(models=(MODEL,), pools=fleet, port=0, admin_token=TOKEN, profiles=profiles,
                            fleet=FleetSettings(scrape_interval_s=0.05))  # fmt: skip
 
@@ -136,7 +147,7 @@ async def test_a_profile_three_times_too_fast_is_refitted(fleet: dict[Pool, tupl
 
     # What the model misses when it knows the replicas' true costs (the same requests, on the same
     # machine as loaded): the most a refit can hope for.
-    oracle, _, _ = await drive(routing_on(truth.name))
+    oracle, _, _ = await drive(routing_on(real.profile.name))
     seen, report, metrics = await drive(routing_on(H100_LLAMA31_8B.name))
     first, last = seen[:4], seen[-80:]  # the first four went out before any answer came back
     for kind in ("ttft", "tpot"):
