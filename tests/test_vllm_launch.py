@@ -11,6 +11,7 @@ import pytest
 from specgate.calibration.modes import Pool
 from specgate.cli import main
 from specgate.gateway.config import ConfigError, load_settings, parse_settings
+from specgate.testing import cpu_dtype
 from specgate.workers import launch
 from specgate.workers.vllm_launch import LaunchConfigError, parse_launch, start
 
@@ -181,3 +182,11 @@ def test_the_deploy_configs_parse(name: str, spec: int, plain: int) -> None:
     settings = load_settings(Path(__file__).resolve().parents[1] / "deploy" / name)
     assert (len(settings.pools[Pool.SPECULATIVE]), len(settings.pools[Pool.PLAIN])) == (spec, plain)
     assert settings.auth.enabled  # a deployment serves known clients only
+
+
+def test_the_cpu_servers_run_in_bfloat16_only_where_the_cpu_has_avx512() -> None:
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    assert cpu_dtype(avx2) == "float32"
+    assert cpu_dtype(avx2.replace("avx2", "avx2 avx512f avx512bw")) == "bfloat16"
+    assert cpu_dtype(avx2.replace("avx2", "avx2 avx512_vnni")) == "float32"  # a flag, not a prefix
+    assert cpu_dtype("") == "float32"  # no flags line: nothing known to speed bf16 up
