@@ -117,6 +117,11 @@ def cpu_dtype(cpuinfo: str | None = None) -> str:
     return "float32" if flags is not None and "avx2" in flags and "avx512f" not in flags else "bfloat16"
 
 
+def cpu_args(max_model_len: int) -> list[str]:
+    """The vLLM flags every CPU server of the tests and benchmarks starts with."""
+    return ["--dtype", cpu_dtype(), "--enforce-eager", "--max-model-len", str(max_model_len)]
+
+
 def cpu_pools(python: str, model: str, log_dir: Path, speculative_config: Mapping[str, object] = NGRAM) -> LaunchPlan:
     """One speculative server (n-gram unless told otherwise) and one plain server on free ports,
     each pinned to a CPU of its own where there are two: two vLLM servers left to share a
@@ -129,7 +134,7 @@ def cpu_pools(python: str, model: str, log_dir: Path, speculative_config: Mappin
             "python": python,
             "model": model,
             "served_model_name": VLLM_MODEL,
-            "args": ["--dtype", cpu_dtype(), "--enforce-eager", "--max-model-len", "2048"],
+            "args": cpu_args(2048),
             "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
             "log_dir": str(log_dir),
             "speculative": [

@@ -19,7 +19,7 @@ import pytest
 
 from specgate.gateway.app import make_app
 from specgate.gateway.config import load_settings
-from specgate.testing import VLLM_MODEL, RedisServer, cpu_dtype, free_port, running_app, sample_value, setup_vllm
+from specgate.testing import VLLM_MODEL, RedisServer, cpu_args, free_port, running_app, sample_value, setup_vllm
 from specgate.workers import launch
 from specgate.workers.vllm_launch import alive, records
 
@@ -36,7 +36,7 @@ def config(tmp_path: Path, redis_url: str) -> Path:
     path = tmp_path / "specgate.toml"
     path.write_text(
         f'[launch]\npython = "{python}"\nmodel = "{model}"\nserved_model_name = "{VLLM_MODEL}"\n'
-        f'args = ["--dtype", "{cpu_dtype()}", "--enforce-eager", "--max-model-len", "1024"]\n'
+        f"args = {json.dumps(cpu_args(1024))}\n"
         'env = { VLLM_CPU_KVCACHE_SPACE = "1" }\nlog_dir = "logs"\n'
         f"[[launch.speculative]]\nport = {free_port()}\ncpus = [{cpus[0]}]\n"
         'speculative_config = { method = "ngram", num_speculative_tokens = 3, prompt_lookup_max = 3, '

@@ -27,7 +27,7 @@ from specgate.gateway.app import make_app
 from specgate.gateway.config import GatewaySettings
 from specgate.gateway.state import FLEET, RELAY
 from specgate.policies.document import PolicyDocument
-from specgate.testing import VLLM_MODEL, cpu_dtype, cpu_pools, free_port, running_app, sample_value, setup_vllm
+from specgate.testing import VLLM_MODEL, cpu_args, cpu_pools, free_port, running_app, sample_value, setup_vllm
 from specgate.workers import launch
 from specgate.workers.pools import FleetSettings
 from specgate.workers.vllm_launch import Running, alive, start, stop, wait_healthy
@@ -46,7 +46,7 @@ def test_pools_up_detached_and_down(tmp_path: Path) -> None:
     config = tmp_path / "specgate.toml"
     config.write_text(
         f'[launch]\npython = "{python}"\nmodel = "{model}"\nserved_model_name = "{MODEL}"\n'
-        f'args = ["--dtype", "{cpu_dtype()}", "--enforce-eager", "--max-model-len", "1024"]\n'
+        f"args = {json.dumps(cpu_args(1024))}\n"
         'env = { VLLM_CPU_KVCACHE_SPACE = "1" }\nlog_dir = "logs"\n'
         f"[[launch.plain]]\nport = {port}\n"
     )
