@@ -43,7 +43,7 @@ from specgate.bench.overhead import pct
 from specgate.calibration import profile_file
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import DEFAULT_PROFILE, PROFILES
-from specgate.testing import NGRAM, VLLM_MODEL, cpu_dtype, cpu_pools, draft_model, setup_vllm
+from specgate.testing import NGRAM, VLLM_MODEL, cpu_dtype, cpu_pools, draft_model, sample_value, setup_vllm
 from specgate.workers import launch
 from specgate.workers.vllm_launch import LaunchPlan, start, stop, wait_healthy
 
@@ -161,6 +161,28 @@ async def closed_loop(gateway: str, requests: list[Request], clients: int, slo: 
     return samples
 
 
+FITTED = {
+    "wait_steps": "specgate_ttft_wait_steps",
+    "overhead_s": "specgate_ttft_overhead_seconds",
+    "ttft_factor": ("specgate_prediction_factor", "ttft"),
+    "tpot_factor": ("specgate_prediction_factor", "tpot"),
+}
+"""What the gateway's fit of each pool says of the servers when a policy's levels are done."""
+
+
+async def fitted(session: aiohttp.ClientSession, gateway: str) -> dict[str, dict[str, float | None]]:
+    async with session.get(f"{gateway}/metrics") as r:
+        text = await r.text()
+    out: dict[str, dict[str, float | None]] = {}
+    for pool in ("speculative", "plain"):
+        values: dict[str, float | None] = {}
+        for key, metric in FITTED.items():
+            name, kind = metric if isinstance(metric, tuple) else (metric, None)
+            values[key] = sample_value(text, name, pool=pool, **({"kind": kind} if kind else {}))
+        out[pool] = values
+    return out
+
+
 def summary(samples: list[Sample]) -> dict[str, float]:
     ttft = [s.ttft_ms for s in samples if s.ttft_ms == s.ttft_ms]
     tpot = [s.tpot_ms for s in samples if s.tpot_ms is not None]
@@ -214,6 +236,8 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path, case: s
                                  "samples": [asdict(s) for s in samples]})  # fmt: skip
                     attained = runs[-1]["slo_attainment"]
                     print(f"real_vllm: {case}: {policy} x{clients}: {attained:.2f}", file=sys.stderr)
+                async with aiohttp.ClientSession() as session:
+                    runs[-1]["fit"] = await fitted(session, url)
             finally:
                 await launch.terminate(gateway)
     finally:
@@ -304,6 +328,35 @@ def case_report(case: dict[str, Any]) -> str:
         + "Medians over every policy's requests, per pool and kind of prompt.\n\n"
         + "\n".join(model_rows)
         + f"\n\n{within} of {total} predictions within ±{PREDICTION_TOLERANCE:.0%}.\n"
+        + fit_report(runs)
+    )
+
+
+def fit_report(runs: list[dict[str, Any]]) -> str:
+    """What each policy's gateway had fitted of the servers when its levels were done."""
+    rows = [
+        "| policy | pool | wait (steps) | overhead (ms) | TTFT factor | TPOT factor |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        for pool, fit in r.get("fit", {}).items():
+            overhead = fit["overhead_s"] * 1e3 if fit["overhead_s"] is not None else None
+
+            def num(v: float | None, digits: int = 2) -> str:
+                return f"{v:.{digits}f}" if v is not None and v == v else "-"
+
+            rows.append(
+                f"| {r['policy']} | {pool} | {num(fit['wait_steps'])} | {num(overhead, 0)} | "
+                f"{num(fit['ttft_factor'])} | {num(fit['tpot_factor'])} |"
+            )
+    if len(rows) == 2:
+        return ""
+    return (
+        "\n### What the gateway learned of the servers\n\nEach policy's gateway, after its last level: the "
+        "steps of the batch a newcomer waits beyond the half step in flight, the time before a first token "
+        "that no step accounts for, and what the fitted steps still missed of TTFT and TPOT.\n\n"
+        + "\n".join(rows)
+        + "\n"
     )
 
 

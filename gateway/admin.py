@@ -135,6 +135,8 @@ def _fit(fit: LatencyFit, model: LatencyModel, pool: Pool) -> dict[str, object]:
         "stderr": dict(zip(("fixed", "decode", "prefill"), (round(e, 4) for e in report.stderr[:3]), strict=True)),
         "ttft_overhead_ms": round(scales.overhead_ms, 3),
         "ttft_overhead_stderr_ms": round(report.stderr[3], 3),
+        "ttft_wait_steps": round(scales.wait, 3),
+        "ttft_wait_steps_stderr": round(report.stderr[4], 3),
         "factors": {"ttft": round(scales.ttft_factor, 4), "tpot": round(scales.tpot_factor, 4)},
         "prediction_log_error": {"ttft": report.ttft_error, "tpot": report.tpot_error},
         f"step_ms_at_context_{REFERENCE_CONTEXT}": {f"batch {b}": both(b) for b in REFERENCE_BATCHES},

@@ -222,7 +222,10 @@ class Attempt:
             REQUEST_ID: journey.headers.request_id,
         }
         if decision.predicted_ttft_ms is not None:
-            route["x-predicted-ttft-ms"] = f"{decision.predicted_ttft_ms:.1f}"
+            # The TTFT its client will see: what it waited in the gateway (the admission queue,
+            # earlier attempts) before this replica's predicted first token.
+            waited_ms = (self.started - journey.arrived) * 1e3
+            route["x-predicted-ttft-ms"] = f"{waited_ms + decision.predicted_ttft_ms:.1f}"
         if decision.predicted_tpot_ms is not None:
             route["x-predicted-tpot-ms"] = f"{decision.predicted_tpot_ms:.1f}"
         return route

@@ -129,6 +129,11 @@ def _fit_gauges(r: CollectorRegistry, fleet: Fleet) -> None:
                      "accounts for (the server's HTTP, tokenization, scheduling).", ("pool",), registry=r)  # fmt: skip
     overhead_error = Gauge("specgate_ttft_overhead_stderr_seconds", "Standard error of "
                            "specgate_ttft_overhead_seconds.", ("pool",), registry=r)  # fmt: skip
+    wait = Gauge("specgate_ttft_wait_steps", "Fitted steps of the batch a newcomer finds (as the profile "
+                 "prices one) that it waits for its first token beyond the half step in flight.", ("pool",),
+                 registry=r)  # fmt: skip
+    wait_error = Gauge("specgate_ttft_wait_steps_stderr", "Standard error of specgate_ttft_wait_steps.",
+                       ("pool",), registry=r)  # fmt: skip
     error = Gauge("specgate_prediction_log_error", "Root mean square of log(measured / predicted) over the "
                   "pool's recent answers, by kind (ttft, tpot).", ("pool", "kind"), registry=r)  # fmt: skip
     factor = Gauge("specgate_prediction_factor", "Measured over predicted latency that the fitted step costs "
@@ -152,6 +157,8 @@ def _fit_gauges(r: CollectorRegistry, fleet: Fleet) -> None:
             scale_error.labels(name, term).set_function(reader(fit, partial(_stderr, i)))
         overhead.labels(name).set_function(reader(fit, lambda report: report.scales.overhead_ms / 1e3))
         overhead_error.labels(name).set_function(reader(fit, lambda report: _stderr(3, report) / 1e3))
+        wait.labels(name).set_function(reader(fit, attrgetter("scales.wait")))
+        wait_error.labels(name).set_function(reader(fit, partial(_stderr, 4)))
         error.labels(name, "ttft").set_function(reader(fit, attrgetter("ttft_error")))
         error.labels(name, "tpot").set_function(reader(fit, attrgetter("tpot_error")))
         factor.labels(name, "ttft").set_function(reader(fit, attrgetter("scales.ttft_factor")))

@@ -4,9 +4,11 @@ For the replica a request would join, with B requests already there (of which it
 while it holds requests back in its queue, those it runs but one: a newcomer takes the place of
 one that ends):
 
-- TTFT: half a step (the step in flight when the request arrives) plus the steps that prefill the
-  prompt tokens queued ahead of it and its own, in chunks of what the token budget leaves beside
-  B decodes; a speculative replica also runs the draft's prefill and its first k draft passes.
+- TTFT: half a step (the step in flight when the request arrives), and as many more of them as
+  the pool's answers show its replicas keep a newcomer waiting (`Scales.wait`), plus the steps
+  that prefill the prompt tokens queued ahead of it and its own, in chunks of what the token
+  budget leaves beside B decodes; a speculative replica also runs the draft's prefill and its
+  first k draft passes.
 - TPOT: the step time at batch B + 1 at the batch's mean context (from the scraped KV usage when
   there is one, else this request's prompt plus half its expected output); a speculative replica
   divides its draft-and-verify step by the tokens per step it was last seen to emit (the profile's
@@ -209,7 +211,8 @@ class LatencyModel:
             return _sum(terms, self._terms(pool, running, context, last)) if last else terms
 
         ttft_terms = _sum(_scaled(decode, 0.5), prefill(max(replica.prefill_tokens, 0) + prompt))
-        ttft_ms = (scales.step_ms(ttft_terms) + scales.overhead_ms) * scales.ttft_factor
+        waits = decode[0] + decode[1]  # each step more that the replica keeps a newcomer waiting
+        ttft_ms = (scales.step_ms(ttft_terms) + scales.overhead_ms + scales.wait * waits) * scales.ttft_factor
 
         joined = self._terms(pool, running + 1, context)
         joined_ms = scales.step_ms(joined)
@@ -241,6 +244,7 @@ class LatencyModel:
             joined[1] / tokens_per_step * per_gap,
             (joined[2] / tokens_per_step + queued_stalls) * per_gap,
             0.0,
+            0.0,
         )
         next_batch = min(running + 2, self.max_num_seqs)
         per_sequence = self._terms(pool, next_batch, context)[1] - joined[1]
@@ -250,8 +254,8 @@ class LatencyModel:
         stall = scales.step_ms(prefill(prompt)) - decode_ms * math.ceil(prompt / chunk)
         harm = batch * (max(stall, 0.0) + max(joined_ms - decode_ms, 0.0) * stay_steps) * factor if batch else 0.0
         priced = Priced(
-            self.profile.name, (*ttft_terms, 1.0), tpot_terms, (*joined, 0.0), replica.in_flight, per_sequence,
-            queued=replica.prefill_tokens > 0, stall_share=max(share, rate * joined_ms / 1e3),
+            self.profile.name, (*ttft_terms, 1.0, waits), tpot_terms, (*joined, 0.0, 0.0), replica.in_flight,
+            per_sequence, queued=replica.prefill_tokens > 0, stall_share=max(share, rate * joined_ms / 1e3),
         )  # fmt: skip
         return Prediction(
             ttft_ms=ttft_ms,

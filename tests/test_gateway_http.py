@@ -233,9 +233,11 @@ async def test_admission_queue_holds_then_serves_and_refuses_past_the_deadline(s
     async with busy_plain_replica(sim_factory, PolicyDocument()) as url, aiohttp.ClientSession() as session:
         chat = f"{url}/v1/chat/completions"
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5}
+        sent = time.monotonic()
         held = asyncio.create_task(session.post(chat, json=body, headers={"x-slo-tpot-ms": "40"}))
         await asyncio.sleep(0.3)
         assert await gateway_sample(url, "specgate_queue_depth") == 1.0
+        held_ms = (time.monotonic() - sent) * 1e3  # at least, when it is served
         # a 100 ms TTFT target while the batch is full: refused once three times that have passed
         started = time.monotonic()
         async with session.post(chat, json=body, headers={"x-slo-tpot-ms": "40", "x-slo-ttft-ms": "100"}) as r:
@@ -246,6 +248,8 @@ async def test_admission_queue_holds_then_serves_and_refuses_past_the_deadline(s
         response = await held  # served once the streams end
         assert response.status == 200
         assert response.headers["x-route-reason"] in ("meets-slo", "best-chance")
+        # the TTFT its client sees: the time it was held counts
+        assert float(response.headers["x-predicted-ttft-ms"]) > held_ms
         await response.read()
         assert await gateway_sample(url, "specgate_queue_dropped_total", reason="deadline") == 1.0
         assert await gateway_sample(url, "specgate_queue_depth") == 0.0

@@ -162,6 +162,45 @@ def test_a_profile_off_converges_within_a_few_hundred_requests(
     assert report.tpot_error < 0.3  # the noise's 0.15, and the first answers' 2x
 
 
+@pytest.mark.parametrize("pool", list(Pool))
+def test_a_server_that_keeps_newcomers_waiting_longer_is_learned_as_a_wait_in_steps(pool: Pool) -> None:
+    """A server whose HTTP front shares the engine's CPU keeps a newcomer waiting longer the more
+    it decodes: its TTFT holds a step more of the batch it finds than the half step in flight
+    the profile prices, and 15 ms more at any load. Short prompts, so the wait is most of it.
+    From 300 answers (15% noise) the fit finds the wait, in steps, and the overhead apart from
+    it, and the pool's TTFTs at loads it has not seen come out right, idle or busy, where the
+    profile's at load were a third short or more."""
+    truth = Scales(overhead_ms=15.0, wait=1.0)
+    model = LatencyModel(H100_LLAMA31_8B)
+    rng = random.Random(11)
+    fleet = Fleet({pool: ["http://a"]}, FleetSettings())
+    replica = fleet.replicas[f"{'spec' if pool is Pool.SPECULATIVE else 'plain'}-0"]
+
+    def state(in_flight: int) -> ReplicaState:
+        return idle(pool, in_flight=in_flight)
+
+    def request() -> RequestFeatures:
+        return replace(FEATURES, prompt_tokens=rng.randrange(20, 300), expected_output_tokens=rng.randrange(20, 200))
+
+    for _ in range(300):
+        live = replace(state(rng.choice((0, 2, 4, 8, 16))), scales=replica.fit.scales)
+        priced = model.predict(live, request()).terms
+        ttft_s, tpot_s, step_s = (
+            predicted_ms(truth, t) * math.exp(rng.gauss(0, 0.15)) / 1e3 for t in (priced.ttft, priced.tpot, priced.step)
+        )
+        replica.observe(ttft_s, tpot_s, priced, step_s=step_s)
+    learned = replica.fit.scales
+    assert learned.wait == pytest.approx(1.0, abs=0.25), learned
+    assert learned.overhead_ms == pytest.approx(15.0, abs=6.0), learned
+    for in_flight in (0, 6, 12, 24):
+        features = request()
+        want = model.predict(replace(state(in_flight), scales=truth), features).ttft_ms
+        got = model.predict(replace(state(in_flight), scales=learned), features).ttft_ms
+        assert got == pytest.approx(want, rel=0.08), (in_flight, learned)
+        if in_flight >= 12:
+            assert model.predict(state(in_flight), features).ttft_ms < 0.75 * want
+
+
 def test_one_outlier_moves_the_fit_little() -> None:
     """A request stuck behind a preemption, a hundred times slower than predicted, counts as twice."""
     model = LatencyModel(H100_LLAMA31_8B)

@@ -12,6 +12,9 @@ from specgate.workers.pools import Fleet, FleetSettings, Replica, Share
 from specgate.workers.scrape import VllmLoad
 
 SETTINGS = FleetSettings(stale_after_s=2.0, eject_after=3)
+TTFT = (20.0, 0.0, 30.0, 1.0, 0.0)
+"""A TTFT as the profile prices it: a step, a prompt's prefill and the overhead."""
+STEP = (10.0, 2.0, 0.0, 0.0, 0.0)
 
 
 def load(running: float = 1.0, spec: SpecCounters | None = None) -> VllmLoad:
@@ -350,7 +353,7 @@ def test_counters_a_little_ahead_of_a_lone_gateway_leave_it_alone() -> None:
 def test_a_step_gap_timed_while_prompts_joined_the_replica_is_not_fitted_as_a_decode_step() -> None:
     """The median gap between a stream's events is one decode step only while few of those steps
     carry the prefill of prompts that joined the replica meanwhile."""
-    priced = Priced("profile", (20.0, 0.0, 30.0, 1.0), (10.0, 2.0, 0.0, 0.0), (10.0, 2.0, 0.0, 0.0), in_flight=0)
+    priced = Priced("profile", TTFT, STEP, STEP, in_flight=0)
     for joined, fitted in ((0, 1), (3, 1), (30, 0)):
         r = Replica("plain-0", "http://x", Pool.PLAIN, SETTINGS)
         r.scraped(load(), 0.0, 0)

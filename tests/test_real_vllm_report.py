@@ -58,3 +58,13 @@ def test_the_report_sets_adaptive_against_the_best_fixed_policy_and_checks_predi
     assert "x1 +0.25 (best fixed: plain-only), x8 -0.12 (best fixed: round-robin)" in text
     assert "| plain | free | 1 | 60 ms | 45 ms | -25% | 20 ms | 21 ms | +5% |" in text
     assert "3 of 4 predictions within ±20%" in text
+    assert "What the gateway learned" not in text  # no fit recorded
+
+
+def test_the_report_shows_what_each_gateway_fitted() -> None:
+    fit = {"wait_steps": 0.84, "overhead_s": 0.012, "ttft_factor": 1.07, "tpot_factor": 0.98}
+    unread = dict.fromkeys(fit)
+    last = run("adaptive", 8, 0.75, []) | {"fit": {"speculative": unread, "plain": fit}}
+    text = case_report({"case": "draft", "speculative_config": {}, "runs": [run("adaptive", 1, 1.0, []), last]})
+    assert "| adaptive | plain | 0.84 | 12 | 1.07 | 0.98 |" in text
+    assert "| adaptive | speculative | - | - | - | - |" in text

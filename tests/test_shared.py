@@ -20,6 +20,9 @@ from specgate.workers.shared import FIELDS, FIT_FIELDS, SLOTS, SharedCounts, key
 
 SETTINGS = FleetSettings()
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+TTFT = (20.0, 0.0, 30.0, 1.0, 0.0)
+"""A TTFT as the profile prices it: a step, a prompt's prefill and the overhead."""
+STEP = (10.0, 2.0, 0.0, 0.0, 0.0)
 
 
 @pytest.fixture
@@ -149,8 +152,8 @@ def answers(fit: LatencyFit, n: int, slower: float) -> None:
     """`n` answers from replicas `slower` times the profile's decode cost (TPOT by the step gap)."""
     for i in range(n):
         batch = 1 + i % 8
-        step = (10.0, 2.0 * batch, 0.0, 0.0)
-        priced = Priced("profile", (20.0, 0.0, 30.0, 1.0), step, step)
+        step = (10.0, 2.0 * batch, 0.0, 0.0, 0.0)
+        priced = Priced("profile", TTFT, step, step)
         measured = 10.0 + slower * 2.0 * batch
         fit.observe(None, measured, priced, step_ms=measured)
 
@@ -189,7 +192,7 @@ def test_the_correction_factors_follow_every_processs_answers_one_after_another(
     turn end where one process with all their answers ends."""
     first, second = (fleet.fits[Pool.PLAIN] for fleet in fleets(counts_file))
     alone = FleetSettings().latency_fit()
-    priced = Priced("profile", (20.0, 0.0, 30.0, 1.0), (10.0, 2.0, 0.0, 0.0), (10.0, 2.0, 0.0, 0.0))
+    priced = Priced("profile", TTFT, STEP, STEP)
     for i in range(40):  # TTFTs twice what the profile says, not fitted (a queue was ahead of them)
         queued = replace(priced, queued=True)
         (first if i % 2 == 0 else second).observe(100.0, None, queued)
@@ -289,7 +292,7 @@ def test_stale_malformed_and_surplus_summaries_are_not_counted(tmp_path: Path) -
     negative, last_slot = bytearray(good), len(good) - 8 * FIELDS
     negative[last_slot + 8 : last_slot + 16] = struct.pack("d", -4.0)  # in flight: -4
     factor_at = 3 + FIT_FIELDS - 3  # the first fit's TTFT factor (`workers/shared.py`'s layout)
-    priced = Priced("profile", (20.0, 0.0, 30.0, 1.0), (10.0, 2.0, 0.0, 0.0), (10.0, 2.0, 0.0, 0.0), queued=True)
+    priced = Priced("profile", TTFT, STEP, STEP, queued=True)
     for fit in theirs.fits.values():
         fit.observe(100.0, None, priced)
     zero_factor = bytearray(counts(theirs).summary(0.0, WINDOWS, wall=50.0))
@@ -333,7 +336,7 @@ def test_gateways_fit_from_each_others_answers_and_move_one_set_of_factors(tmp_p
     alone = FleetSettings().latency_fit()
     answers(theirs.fits[Pool.PLAIN], 60, slower=2.0)
     answers(alone, 60, slower=2.0)
-    priced = Priced("profile", (20.0, 0.0, 30.0, 1.0), (10.0, 2.0, 0.0, 0.0), (10.0, 2.0, 0.0, 0.0))
+    priced = Priced("profile", TTFT, STEP, STEP)
     for _ in range(20):
         theirs.fits[Pool.PLAIN].observe(100.0, None, replace(priced, queued=True))
         alone.observe(100.0, None, replace(priced, queued=True))

@@ -6,7 +6,10 @@ token, and of one step of the batch it decodes in, how much is a step's fixed co
 decoding sequences and their contexts add, and how much prompt tokens add. What the replica
 really does is that sum with each term scaled by what the profile got wrong, plus, before the
 first token, a fixed time no engine step accounts for (the server's HTTP, tokenization,
-scheduling). The scales are the least-squares fit of what the pool's recent answers timed of its
+scheduling) and a wait that grows with the batch already there: the model has a newcomer wait out
+half the step in flight, but a server whose engine shares its CPU with its HTTP front, or one
+that schedules a step ahead, keeps it waiting longer, by a number of that batch's steps that the
+answers show. The scales are the least-squares fit of what the pool's recent answers timed of its
 steps (`LatencyFit.observe`: the median gap between a stream's events, the TTFT of a request with
 nothing queued ahead of it):
 
@@ -17,7 +20,7 @@ nothing queued ahead of it):
 - bounded: a measurement over twice or under half its prediction counts as that bound (one request
   stuck behind a preemption cannot wreck the fit), and each scale stays within CORRECTION_RANGE;
 - from the profile's shape: a prior as heavy as `prior_weight` answers holds the three scales
-  together, and lightly at 1, and the overhead at 0, until the answers say otherwise; so terms
+  together, and lightly at 1, and the overhead and the wait at 0, until the answers say otherwise; so terms
   the traffic cannot tell apart (every request alone on its replica: the fixed and the decode
   cost move together) keep the profile's split between them, at the level the answers show;
 - from steady replicas only: nothing held back in them, room in their KV cache.
@@ -38,14 +41,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from specgate.workers.shared import SharedFit
-from specgate.workers.snapshot import CORRECTION_RANGE, Scales
+from specgate.workers.shared import FIT_TERMS, SharedFit
+from specgate.workers.snapshot import CORRECTION_RANGE, WAIT_RANGE, Scales
 
-Terms = tuple[float, float, float, float]
+Terms = tuple[float, float, float, float, float]
 """A prediction as the profile prices it, term by term: the fixed, decode and prefill parts of its
-steps, and 1 where the overhead before the first token adds to it (a TTFT), else 0."""
-_PROFILE: Terms = (1.0, 1.0, 1.0, 0.0)
-"""The scales and overhead that leave the profile as it is."""
+steps; 1 where the overhead before the first token adds to it (a TTFT), else 0; and, in a TTFT,
+one step of the batch it finds there as the profile prices it (what each step more of waiting
+adds), else 0."""
+_PROFILE: Terms = (1.0, 1.0, 1.0, 0.0, 0.0)
+"""The scales, overhead and wait that leave the profile as it is."""
 
 WINDOW = 300.0
 """Over about how many recent answers a pool's step costs are fitted."""
@@ -57,6 +62,10 @@ LEVEL_PRIOR_SHARE = 0.1
 """How firmly the prior holds the scales' common level at 1, against their shape."""
 OVERHEAD_PRIOR_MS = 100.0
 """The prior holds the overhead at 0 as firmly as `prior_weight` answers of this many ms would."""
+WAIT_PRIOR_STEPS = 10.0
+"""And the wait, as firmly as `prior_weight` answers of this many steps would: loosely (a step is a
+fraction of a TTFT, so each answer at load says little of it alone), but enough to hold it where
+no answer has seen a batch."""
 MAX_OVERHEAD_MS = 60_000.0
 _MAX_RATIO = 2.0
 MAX_STALL_SHARE = 0.2
@@ -94,13 +103,13 @@ class Priced:
         a request would read as decode costs flatter than they are."""
         if in_flight is None:
             return self.step
-        fixed, decode, prefill, overhead = self.step
-        return fixed, decode + (in_flight - 1 - self.in_flight) * self.per_sequence, prefill, overhead
+        fixed, decode, prefill, overhead, wait = self.step
+        return fixed, decode + (in_flight - 1 - self.in_flight) * self.per_sequence, prefill, overhead, wait
 
 
 def predicted_ms(scales: Scales, terms: Terms) -> float:
     """What the fitted step costs say of a TTFT or TPOT given as its terms (before the factors)."""
-    return scales.step_ms(terms[:3]) + scales.overhead_ms * terms[3]
+    return scales.step_ms(terms[:3]) + scales.overhead_ms * terms[3] + scales.wait * terms[4]
 
 
 @dataclass(frozen=True)
@@ -108,8 +117,9 @@ class FitReport:
     """What the fit says, for /metrics and /admin/fleet."""
 
     scales: Scales
-    stderr: tuple[float, float, float, float]
-    """The standard error of each scale (and of the overhead, in ms), from the recent residuals."""
+    stderr: Terms
+    """The standard error of each scale (and of the overhead, in ms, and the wait, in steps), from
+    the recent residuals."""
     answers: int
     """Answers measured."""
     fitted: int
@@ -138,11 +148,12 @@ class LatencyFit:
         # The prior, as a quadratic penalty (θ - θ0)ᵀ R (θ - θ0): the three scales apart from their
         # mean (the profile's shape) weigh `prior_weight` answers, their common level
         # LEVEL_PRIOR_SHARE of that (a profile of other hardware is off in level before shape),
-        # the overhead as set above.
+        # the overhead and the wait as set above.
         shape, level = prior_weight, prior_weight * LEVEL_PRIOR_SHARE
-        self._prior = [[(shape * ((i == j) - 1 / 3) + level / 3) if i < 3 and j < 3 else 0.0 for j in range(4)]
-                       for i in range(4)]  # fmt: skip
+        self._prior = [[(shape * ((i == j) - 1 / 3) + level / 3) if i < 3 and j < 3 else 0.0 for j in range(FIT_TERMS)]
+                       for i in range(FIT_TERMS)]  # fmt: skip
         self._prior[3][3] = prior_weight / OVERHEAD_PRIOR_MS**2
+        self._prior[4][4] = prior_weight / WAIT_PRIOR_STEPS**2
         self._prior_weight = prior_weight
         self.shared: SharedFit | None = None
         """Where this gateway's other processes publish their fits of the same pool: their sums
@@ -167,20 +178,21 @@ class LatencyFit:
                 1.0 + share * (theirs.decode - 1.0),
                 1.0 + share * (theirs.prefill - 1.0),
                 share * theirs.overhead_ms,
+                share * theirs.wait,
             )
         )
         self._solve()
 
     def _center(self, center: Terms) -> None:
-        """Center the prior on `center` (scales and overhead)."""
-        self._at_prior = [sum(self._prior[i][j] * center[j] for j in range(4)) for i in range(4)]
+        """Center the prior on `center` (scales, overhead and wait)."""
+        self._at_prior = [sum(self._prior[i][j] * center[j] for j in range(FIT_TERMS)) for i in range(FIT_TERMS)]
         """R θ0, θ0 the prior's center."""
 
     def _forget(self) -> None:
         self._center(_PROFILE)  # the profile's own costs, until `center_on` says otherwise
-        self._xx = [[0.0] * 4 for _ in range(4)]
+        self._xx = [[0.0] * FIT_TERMS for _ in range(FIT_TERMS)]
         """Decayed sums over the answers of x xᵀ, x the relative terms."""
-        self._xy = [0.0] * 4
+        self._xy = [0.0] * FIT_TERMS
         self._residual = (0.0, 0.0)
         """Decayed sum of the squared relative residuals of the fit, and of their weights."""
         self._errors: dict[str, tuple[float, float]] = {}
@@ -189,7 +201,7 @@ class LatencyFit:
         """The gateway's count of updates to the factors when this process last changed or took them."""
         self.answers = 0
         self.fitted: int = 0
-        self._stderr = (0.0, 0.0, 0.0, 0.0)
+        self._stderr: Terms = (0.0, 0.0, 0.0, 0.0, 0.0)
 
     def follow(self, basis: str) -> None:
         """Predictions are now priced by the profile `basis`: scales fitted against another one
@@ -273,14 +285,14 @@ class LatencyFit:
         if not rows:
             return
         keep = self._keep
-        for i in range(4):
+        for i in range(FIT_TERMS):
             self._xy[i] *= keep
-            for j in range(4):
+            for j in range(FIT_TERMS):
                 self._xx[i][j] *= keep
         for x, y in rows:
-            for i in range(4):
+            for i in range(FIT_TERMS):
                 self._xy[i] += x[i] * y
-                for j in range(4):
+                for j in range(FIT_TERMS):
                     self._xx[i][j] += x[i] * x[j]
         self.fitted += 1
         if self.shared is not None and self.basis is not None:
@@ -296,16 +308,17 @@ class LatencyFit:
     def _solve(self, rows: Sequence[tuple[list[float], float]] = ()) -> None:
         """The scales from the answers so far and the prior; `rows`, the newest answer's
         equations, join the residuals the standard errors rest on."""
-        a = [[self._xx[i][j] + self._prior[i][j] for j in range(4)] for i in range(4)]
-        b = [self._xy[i] + self._at_prior[i] for i in range(4)]
+        n = FIT_TERMS
+        a = [[self._xx[i][j] + self._prior[i][j] for j in range(n)] for i in range(n)]
+        b = [self._xy[i] + self._at_prior[i] for i in range(n)]
         if self.shared is not None and self.basis is not None:  # the other processes' answers too
             _, xx, xy = self.shared.summed(self.basis)
-            a = [[a[i][j] + xx[i][j] for j in range(4)] for i in range(4)]
-            b = [b[i] + xy[i] for i in range(4)]
+            a = [[a[i][j] + xx[i][j] for j in range(n)] for i in range(n)]
+            b = [b[i] + xy[i] for i in range(n)]
         inverse = _inverse(a)
         if inverse is None:
             return
-        theta = [sum(inverse[i][j] * b[j] for j in range(4)) for i in range(4)]
+        theta = [sum(inverse[i][j] * b[j] for j in range(n)) for i in range(n)]
         low, high = CORRECTION_RANGE
         self.scales = replace(
             self.scales,
@@ -313,19 +326,16 @@ class LatencyFit:
             decode=min(max(theta[1], low), high),
             prefill=min(max(theta[2], low), high),
             overhead_ms=min(max(theta[3], 0.0), MAX_OVERHEAD_MS),
+            wait=min(max(theta[4], WAIT_RANGE[0]), WAIT_RANGE[1]),
         )
         total, weight = self._residual
         for x, y in rows:
-            r = y - sum(x[i] * theta[i] for i in range(4))
+            r = y - sum(x[i] * theta[i] for i in range(n))
             total, weight = total * self._keep + r * r, weight * self._keep + 1.0
         self._residual = (total, weight)
         variance = total / weight if weight > 0 else 0.0
-        self._stderr = (
-            math.sqrt(variance * inverse[0][0]),
-            math.sqrt(variance * inverse[1][1]),
-            math.sqrt(variance * inverse[2][2]),
-            math.sqrt(variance * inverse[3][3]),
-        )
+        e = [math.sqrt(variance * inverse[i][i]) for i in range(n)]
+        self._stderr = (e[0], e[1], e[2], e[3], e[4])
 
     def refresh(self) -> None:
         """Take up what the other processes have fitted since this one last did."""

@@ -54,13 +54,16 @@ _REQUEST_SECONDS = 12
 
 FITS = 2
 """Step-cost fits a process publishes: one per pool."""
-FIT_FIELDS = 26
+FIT_TERMS = 5
+"""The terms of a step-cost fit (`latency_fit.py`): three scales, the overhead and the wait."""
+FIT_FIELDS = 3 + FIT_TERMS * FIT_TERMS + FIT_TERMS + 3
 # The words of a fit: the basis it is fitted against (a key, 0 for none), the answers fitted, then
-# the decayed sums of x xᵀ (16) and of x y (4); then the correction factors' basis (a key), the
-# TTFT and TPOT factors, and the gateway's count of factor updates when they were written.
+# the decayed sums of x xᵀ (FIT_TERMS squared) and of x y (FIT_TERMS); then the correction
+# factors' basis (a key), the TTFT and TPOT factors, and the gateway's count of factor updates
+# when they were written.
 _BASIS, _FITTED, _XX = range(3)
-_XY = _XX + 16
-_FACTORS_BASIS = _XY + 4
+_XY = _XX + FIT_TERMS * FIT_TERMS
+_FACTORS_BASIS = _XY + FIT_TERMS
 _TTFT_FACTOR, _TPOT_FACTOR, _FACTORS_STAMP = range(_FACTORS_BASIS + 1, _FACTORS_BASIS + 4)
 
 
@@ -70,7 +73,7 @@ def key_of(text: str) -> int:
     return key or 1
 
 
-_MAGIC = 0x5347_4331  # a summary's first word: "SGC1"
+_MAGIC = 0x5347_4332  # a summary's first word: "SGC2" (its fits of five terms)
 _HEADER = 3
 """A summary's words before its fits: the magic, when it was taken (Unix seconds), its replicas."""
 
@@ -381,10 +384,10 @@ class SharedFit:
         words, base = self.counts.words, self.own
         self.counts.keys[base + _BASIS] = 0  # (a reader skips it while it changes)
         words[base + _FITTED] = fitted
-        for i in range(4):
+        for i in range(FIT_TERMS):
             words[base + _XY + i] = xy[i]
-            for j in range(4):
-                words[base + _XX + 4 * i + j] = xx[i][j]
+            for j in range(FIT_TERMS):
+                words[base + _XX + FIT_TERMS * i + j] = xx[i][j]
         self.counts.keys[base + _BASIS] = key_of(basis)
 
     def publish_factors(self, basis: str, ttft: float, tpot: float, stamp: int) -> None:
@@ -410,15 +413,15 @@ class SharedFit:
     def summed(self, basis: str) -> tuple[int, list[list[float]], list[float]]:
         """The other processes' answers fitted and sums, of those fitted against `basis`."""
         words, keys, key = self.counts.words, self.counts.keys, key_of(basis)
-        fitted, xx, xy = 0, [[0.0] * 4 for _ in range(4)], [0.0] * 4
+        fitted, xx, xy = 0, [[0.0] * FIT_TERMS for _ in range(FIT_TERMS)], [0.0] * FIT_TERMS
         for base in self.others:
             if keys[base + _BASIS] != key:
                 continue
             fitted += int(words[base + _FITTED])
-            for i in range(4):
+            for i in range(FIT_TERMS):
                 xy[i] += words[base + _XY + i]
-                for j in range(4):
-                    xx[i][j] += words[base + _XX + 4 * i + j]
+                for j in range(FIT_TERMS):
+                    xx[i][j] += words[base + _XX + FIT_TERMS * i + j]
         return fitted, xx, xy
 
 

@@ -9,6 +9,10 @@ from specgate.calibration.modes import Pool
 
 CORRECTION_RANGE = (0.2, 5.0)
 """How far the fleet's measurements may scale a term of the profile's step cost, either way."""
+WAIT_RANGE = (0.0, 8.0)
+"""The steps a newcomer may be found to wait beyond the half step in flight: none (an engine that
+takes it at the next step, its HTTP front out of the way) to a handful (a server whose CPU is
+shared, one that schedules ahead)."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,11 @@ class Scales:
     """Measured over predicted TTFT, smoothed, left after the fitted step costs: what the model's
     picture of the replica misses (a queue it does not see, a batch that is not the one priced)."""
     tpot_factor: float = 1.0
+    wait: float = 0.0
+    """Steps of the batch a newcomer finds (as the profile prices one) that it waits for its first
+    token beyond the half step in flight: vLLM's engine takes a newcomer at the next step, but its
+    HTTP front, tokenizer and detokenizer may share the engine's CPU, and an engine that schedules
+    a step ahead takes it a step later."""
 
     def step_ms(self, terms: tuple[float, float, float]) -> float:
         """A step (or a sum of steps) given as its profile-priced fixed, decode and prefill parts."""
@@ -38,7 +47,7 @@ class Scales:
     def lowest(cls) -> Scales:
         """As fast as the fleet may say the profile's replicas are."""
         low = CORRECTION_RANGE[0]
-        return cls(low, low, low, 0.0)
+        return cls(low, low, low, 0.0, wait=WAIT_RANGE[0])
 
 
 @dataclass(frozen=True)
