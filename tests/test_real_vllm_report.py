@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from specgate.bench.real_vllm import CASES, case_report, main, predictions, speculative_config, workload
+from specgate.bench.real_vllm import CASES, case_report, main, predictions, schedule, speculative_config, workload
 
 
 def sample(
@@ -66,5 +66,10 @@ def test_the_report_shows_what_each_gateway_fitted() -> None:
     unread = dict.fromkeys(fit)
     last = run("adaptive", 8, 0.75, []) | {"fit": {"speculative": unread, "plain": fit}}
     text = case_report({"case": "draft", "speculative_config": {}, "runs": [run("adaptive", 1, 1.0, []), last]})
-    assert "| adaptive | plain | 0.84 | 12 | 1.07 | 0.98 |" in text
-    assert "| adaptive | speculative | - | - | - | - |" in text
+    assert "| 8 | plain | 0.84 | 12 | 1.07 | 0.98 |" in text
+    assert "| 8 | speculative | - | - | - | - |" in text
+
+
+def test_a_level_at_a_time_each_starting_one_policy_further_on() -> None:
+    runs = schedule([1, 2, 4], ["a", "b", "c"])
+    assert runs == [(1, ["a", "b", "c"]), (2, ["b", "c", "a"]), (4, ["c", "a", "b"])]
