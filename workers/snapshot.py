@@ -37,7 +37,7 @@ class Scales:
     """Steps of the batch a newcomer finds (as the profile prices one) that it waits for its first
     token beyond the half step in flight: vLLM's engine takes a newcomer at the next step, but its
     HTTP front, tokenizer and detokenizer may share the engine's CPU, and an engine that schedules
-    a step ahead takes it a step later."""
+    a step ahead may take it a step later."""
 
     def step_ms(self, terms: tuple[float, float, float]) -> float:
         """A step (or a sum of steps) given as its profile-priced fixed, decode and prefill parts."""
