@@ -168,7 +168,7 @@ FITTED = {
     "ttft_factor": ("specgate_prediction_factor", "ttft"),
     "tpot_factor": ("specgate_prediction_factor", "tpot"),
 }
-"""What the gateway's fit of each pool says of the servers when a policy's levels are done."""
+"""What the gateway's fit of each pool says of the servers at the end of a run: the metrics read."""
 
 
 async def fitted(session: aiohttp.ClientSession, gateway: str) -> dict[str, dict[str, float | None]]:
@@ -257,8 +257,8 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path, case: s
     return {"case": case, "speculative_config": spec.speculative_config, "profile": profile, "runs": runs}
 
 
-def _fmt(v: object) -> str:
-    return f"{v:.0f}" if isinstance(v, (int, float)) and v == v else "-"
+def _fmt(v: object, digits: int = 0) -> str:
+    return f"{v:.{digits}f}" if isinstance(v, (int, float)) and v == v else "-"
 
 
 def _median(values: list[float | None]) -> float:
@@ -352,13 +352,9 @@ def fit_report(runs: list[dict[str, Any]]) -> str:
     for r in sorted((r for r in runs if r["policy"] == "adaptive"), key=lambda r: r["concurrency"]):
         for pool, fit in r.get("fit", {}).items():
             overhead = fit["overhead_s"] * 1e3 if fit["overhead_s"] is not None else None
-
-            def num(v: float | None, digits: int = 2) -> str:
-                return f"{v:.{digits}f}" if v is not None and v == v else "-"
-
             rows.append(
-                f"| {r['concurrency']} | {pool} | {num(fit['wait_steps'])} | {num(overhead, 0)} | "
-                f"{num(fit['ttft_factor'])} | {num(fit['tpot_factor'])} |"
+                f"| {r['concurrency']} | {pool} | {_fmt(fit['wait_steps'], 2)} | {_fmt(overhead)} | "
+                f"{_fmt(fit['ttft_factor'], 2)} | {_fmt(fit['tpot_factor'], 2)} |"
             )
     if len(rows) == 2:
         return ""

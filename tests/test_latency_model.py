@@ -169,7 +169,7 @@ def test_a_server_that_keeps_newcomers_waiting_longer_is_learned_as_a_wait_in_st
     the profile prices, and 15 ms more at any load. Short prompts, so the wait is most of it.
     From 300 answers (15% noise) the fit finds the wait, in steps, and the overhead apart from
     it, and the pool's TTFTs at loads it has not seen come out right, idle or busy, where the
-    profile's at load were a third short or more."""
+    profile's at load were a quarter short or more."""
     truth = Scales(overhead_ms=15.0, wait=1.0)
     model = LatencyModel(H100_LLAMA31_8B)
     rng = random.Random(11)
