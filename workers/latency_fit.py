@@ -20,9 +20,10 @@ nothing queued ahead of it):
 - bounded: a measurement over twice or under half its prediction counts as that bound (one request
   stuck behind a preemption cannot wreck the fit), and each scale stays within CORRECTION_RANGE;
 - from the profile's shape: a prior as heavy as `prior_weight` answers holds the three scales
-  together, and lightly at 1, and the overhead and the wait at 0, until the answers say otherwise; so terms
-  the traffic cannot tell apart (every request alone on its replica: the fixed and the decode
-  cost move together) keep the profile's split between them, at the level the answers show;
+  together, and lightly at 1, and the overhead and the wait at 0, until the answers say
+  otherwise; so terms the traffic cannot tell apart (every request alone on its replica: the
+  fixed and the decode cost move together) keep the profile's split between them, at the level
+  the answers show;
 - from steady replicas only: nothing held back in them, room in their KV cache.
 
 Each answer is fitted against the profile's own terms, not against a prediction already corrected:
