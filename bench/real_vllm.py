@@ -162,26 +162,23 @@ async def closed_loop(gateway: str, requests: list[Request], clients: int, slo: 
     return samples
 
 
-FITTED = {
-    "wait_steps": "specgate_ttft_wait_steps",
-    "overhead_s": "specgate_ttft_overhead_seconds",
-    "ttft_factor": ("specgate_prediction_factor", "ttft"),
-    "tpot_factor": ("specgate_prediction_factor", "tpot"),
+FITTED: dict[str, tuple[str, dict[str, str]]] = {
+    "wait_steps": ("specgate_ttft_wait_steps", {}),
+    "overhead_s": ("specgate_ttft_overhead_seconds", {}),
+    "ttft_factor": ("specgate_prediction_factor", {"kind": "ttft"}),
+    "tpot_factor": ("specgate_prediction_factor", {"kind": "tpot"}),
 }
-"""What the gateway's fit of each pool says of the servers at the end of a run: the metrics read."""
+"""What the gateway's fit of each pool says of the servers at the end of a run: the metric read
+for each, and its labels besides the pool's."""
 
 
 async def fitted(session: aiohttp.ClientSession, gateway: str) -> dict[str, dict[str, float | None]]:
     async with session.get(f"{gateway}/metrics") as r:
         text = await r.text()
-    out: dict[str, dict[str, float | None]] = {}
-    for pool in ("speculative", "plain"):
-        values: dict[str, float | None] = {}
-        for key, metric in FITTED.items():
-            name, kind = metric if isinstance(metric, tuple) else (metric, None)
-            values[key] = sample_value(text, name, pool=pool, **({"kind": kind} if kind else {}))
-        out[pool] = values
-    return out
+    return {
+        pool: {key: sample_value(text, name, pool=pool, **labels) for key, (name, labels) in FITTED.items()}
+        for pool in ("speculative", "plain")
+    }
 
 
 def summary(samples: list[Sample]) -> dict[str, float]:

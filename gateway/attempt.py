@@ -119,6 +119,12 @@ class Attempt:
         self.started = 0.0
         self._got_first_byte = False
 
+    @property
+    def waited_s(self) -> float:
+        """What the request waited in the gateway before this attempt was sent (the admission
+        queue, earlier attempts): part of the TTFT its client sees."""
+        return self.started - self.journey.arrived
+
     async def run(self) -> web.StreamResponse:
         """The client's response; `RetryElsewhere` when another replica may serve it instead,
         `StreamBroke` when the replica failed after the client's stream began."""
@@ -222,10 +228,8 @@ class Attempt:
             REQUEST_ID: journey.headers.request_id,
         }
         if decision.predicted_ttft_ms is not None:
-            # The TTFT its client will see: what it waited in the gateway (the admission queue,
-            # earlier attempts) before this replica's predicted first token.
-            waited_ms = (self.started - journey.arrived) * 1e3
-            route["x-predicted-ttft-ms"] = f"{waited_ms + decision.predicted_ttft_ms:.1f}"
+            # The TTFT its client will see: the wait in the gateway, then this replica's first token.
+            route["x-predicted-ttft-ms"] = f"{self.waited_s * 1e3 + decision.predicted_ttft_ms:.1f}"
         if decision.predicted_tpot_ms is not None:
             route["x-predicted-tpot-ms"] = f"{decision.predicted_tpot_ms:.1f}"
         return route

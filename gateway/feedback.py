@@ -90,8 +90,7 @@ class Feedback:
                     self.metrics.tpot_error.labels(pool).observe(predicted_tpot_s - outcome.tpot_s)
         request_class = self.metrics.request_class(journey.request_class or "-")
         if headers.slo_ttft_ms is not None and outcome.ttft_s is not None:
-            waited = attempt.started - journey.arrived  # the admission queue and earlier attempts
-            met = (waited + outcome.ttft_s) * 1e3 <= headers.slo_ttft_ms
+            met = (attempt.waited_s + outcome.ttft_s) * 1e3 <= headers.slo_ttft_ms
             self.metrics.slo.labels("ttft", "met" if met else "missed", pool, request_class).inc()
         if headers.slo_tpot_ms is not None and outcome.tpot_s is not None:
             met = outcome.tpot_s * 1e3 <= headers.slo_tpot_ms
