@@ -148,12 +148,12 @@ def test_counts_cross_real_processes(counts_file: Path) -> None:
     assert state(reader, A, 1.0)["prefill_tokens"] == 192
 
 
-def answers(fit: LatencyFit, n: int, slower: float) -> None:
+def answers(fit: LatencyFit, n: int, slower: float, profile: str = "profile") -> None:
     """`n` answers from replicas `slower` times the profile's decode cost (TPOT by the step gap)."""
     for i in range(n):
         batch = 1 + i % 8
         step = (10.0, 2.0 * batch, 0.0, 0.0, 0.0)
-        priced = Priced("profile", TTFT, step, step)
+        priced = Priced(profile, TTFT, step, step)
         measured = 10.0 + slower * 2.0 * batch
         fit.observe(None, measured, priced, step_ms=measured)
 
@@ -347,3 +347,26 @@ def test_gateways_fit_from_each_others_answers_and_move_one_set_of_factors(tmp_p
     assert fit.scales.decode == pytest.approx(alone.scales.decode, rel=1e-9)
     assert fit.scales.ttft_factor == pytest.approx(alone.scales.ttft_factor, rel=1e-9)
     assert fit.scales.ttft_factor > 1.2  # moved by the other gateway's answers alone
+
+
+def test_the_other_gateways_fits_are_summed_against_the_profile_most_of_their_answers_were(tmp_path: Path) -> None:
+    """Mid-rollout of a policy document that changes the profile, gateways fit against different
+    ones; fits against different profiles do not add, and the one most answers were fitted against
+    is kept, whichever gateway's name sorts first (as between one gateway's processes)."""
+    (rolled,) = gateway(tmp_path)
+    (b,) = gateway(tmp_path)
+    (c,) = gateway(tmp_path)
+    (mine,) = gateway(tmp_path)
+    alone = FleetSettings().latency_fit()
+    answers(rolled.fits[Pool.PLAIN], 30, slower=0.5, profile="new-profile")
+    for fleet in (b, c):
+        answers(fleet.fits[Pool.PLAIN], 60, slower=2.0)
+    answers(alone, 120, slower=2.0)
+    summaries = {name: counts(f).summary(0.0, WINDOWS, 0.0) for name, f in (("a", rolled), ("b", b), ("c", c))}
+    assert take(mine, summaries, 0.0, 0.0) == 3
+    fit = mine.fits[Pool.PLAIN]
+    fit.follow("profile")
+    fit.refresh()
+    # (two fits of 60 answers each forget their oldest as one of 120 does not: near, not equal)
+    assert fit.scales.decode == pytest.approx(alone.scales.decode, rel=0.02)
+    assert fit.scales.decode > 1.3

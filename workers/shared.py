@@ -36,7 +36,7 @@ import mmap
 import os
 import tempfile
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,29 +202,13 @@ class SharedCounts:
         out_keys = memoryview(out).cast("B").cast("q")
         out_keys[0], out[1], out_keys[2] = _MAGIC, wall, len(slots)
         for fit in range(FITS):
-            self._summed_fit(fit, out, out_keys, _HEADER + fit * FIT_FIELDS)
+            processes = [(words, self._fit_base(process, fit)) for process in range(self.processes)]
+            _merge_fits(out, _HEADER + fit * FIT_FIELDS, processes)
         for i, (key, fields) in enumerate(slots.items()):
             base = _HEADER + FITS * FIT_FIELDS + i * FIELDS
             out[base : base + FIELDS] = array("d", fields)  # its times (rates', request-seconds') 0: now
             out_keys[base] = key
         return out.tobytes()
-
-    def _summed_fit(self, fit: int, out: array[float], out_keys: memoryview, at: int) -> None:
-        words, keys = self.words, self.keys
-        bases = [self._fit_base(process, fit) for process in range(self.processes)]
-        fitted = [b for b in bases if keys[b + _BASIS] != 0]
-        if fitted:
-            basis = keys[max(fitted, key=lambda b: words[b + _FITTED]) + _BASIS]
-            for base in (b for b in fitted if keys[b + _BASIS] == basis):
-                for word in range(_FITTED, _FACTORS_BASIS):
-                    out[at + word] += words[base + word]
-            out_keys[at + _BASIS] = basis
-        factors = [b for b in bases if keys[b + _FACTORS_BASIS] != 0]
-        if factors:
-            latest = max(factors, key=lambda b: keys[b + _FACTORS_STAMP])
-            out[at + _TTFT_FACTOR], out[at + _TPOT_FACTOR] = words[latest + _TTFT_FACTOR], words[latest + _TPOT_FACTOR]
-            out_keys[at + _FACTORS_STAMP] = keys[latest + _FACTORS_STAMP]
-            out_keys[at + _FACTORS_BASIS] = keys[latest + _FACTORS_BASIS]
 
     def take_all(
         self, me: str, summaries: Mapping[str, bytes], now: float, wall: float, windows: tuple[float, ...],
@@ -237,7 +221,7 @@ class SharedCounts:
         `most` are summed, in the order of their names. One row, whatever their number: a reader's
         work does not grow with the gateways."""
         slots: dict[int, list[float]] = {}
-        fits = [array("d", [0.0] * FIT_FIELDS) for _ in range(FITS)]
+        taken: list[list[tuple[memoryview[float], int]]] = [[] for _ in range(FITS)]
         counted = 0
         for name in sorted(summaries):
             parsed = _parsed(summaries[name]) if name != me and counted < most else None
@@ -251,7 +235,10 @@ class SharedCounts:
             for key, at in found.items():  # (a summary's times are 0, its taking: `age` is now on its clock)
                 _add_slot(slots.setdefault(key, [0.0] * FIELDS), words, at, windows, age)
             for fit in range(FITS):
-                _add_fit(fits[fit], words, _HEADER + fit * FIT_FIELDS)
+                taken[fit].append((words, _HEADER + fit * FIT_FIELDS))
+        fits = [array("d", [0.0] * FIT_FIELDS) for _ in range(FITS)]
+        for merged, gateways in zip(fits, taken, strict=True):
+            _merge_fits(merged, 0, gateways)
         self._write_others(slots, fits, now, counted)
         return counted
 
@@ -475,17 +462,30 @@ def taken_at(summary: bytes) -> float | None:
     return words[1] if keys[0] == _MAGIC and math.isfinite(words[1]) else None
 
 
-def _add_fit(into: array[float], words: memoryview[float], at: int) -> None:
-    """Another gateway's fit into the sum of theirs: its sums if fitted against the basis of those
-    before it (or the first), and its correction factors if they are the latest (the highest stamp)."""
-    keys, sums = memoryview(words).cast("B").cast("q"), memoryview(into).cast("B").cast("q")
-    basis = keys[at + _BASIS]
-    if basis != 0 and sums[_BASIS] in (0, basis):
-        for word in range(_FITTED, _FACTORS_BASIS):
-            into[word] += words[at + word]
-        sums[_BASIS] = basis
-    if keys[at + _FACTORS_BASIS] != 0 and (
-        sums[_FACTORS_BASIS] == 0 or keys[at + _FACTORS_STAMP] > sums[_FACTORS_STAMP]
-    ):
-        into[_TTFT_FACTOR], into[_TPOT_FACTOR] = words[at + _TTFT_FACTOR], words[at + _TPOT_FACTOR]
-        sums[_FACTORS_STAMP], sums[_FACTORS_BASIS] = keys[at + _FACTORS_STAMP], keys[at + _FACTORS_BASIS]
+def _merge_fits(out: array[float], at: int, fits: Sequence[tuple[memoryview[float], int]]) -> None:
+    """One pool's fits (its processes', or other gateways') into one at `at` of `out`: the sums of
+    those fitted against the basis most answers were fitted against (sums against different bases
+    do not add; a tie goes to the first of them), and the correction factors of the latest (the
+    highest stamp)."""
+    out_keys = memoryview(out).cast("B").cast("q")
+    answers: dict[int, float] = {}
+    for words, base in fits:
+        basis = memoryview(words).cast("B").cast("q")[base + _BASIS]
+        if basis != 0:
+            answers[basis] = answers.get(basis, 0.0) + words[base + _FITTED]
+    if answers:
+        chosen = max(answers, key=answers.__getitem__)
+        for words, base in fits:
+            if memoryview(words).cast("B").cast("q")[base + _BASIS] == chosen:
+                for word in range(_FITTED, _FACTORS_BASIS):
+                    out[at + word] += words[base + word]
+        out_keys[at + _BASIS] = chosen
+    latest = None
+    for words, base in fits:
+        keys = memoryview(words).cast("B").cast("q")
+        if keys[base + _FACTORS_BASIS] != 0 and (latest is None or keys[base + _FACTORS_STAMP] > latest[0]):
+            latest = (keys[base + _FACTORS_STAMP], keys[base + _FACTORS_BASIS], words, base)
+    if latest is not None:
+        stamp, basis, words, base = latest
+        out[at + _TTFT_FACTOR], out[at + _TPOT_FACTOR] = words[base + _TTFT_FACTOR], words[base + _TPOT_FACTOR]
+        out_keys[at + _FACTORS_STAMP], out_keys[at + _FACTORS_BASIS] = stamp, basis
