@@ -17,12 +17,10 @@ from specgate.workers.latency_fit import LatencyFit, Priced
 from specgate.workers.pools import Fleet, FleetSettings, Replica
 from specgate.workers.scrape import VllmLoad
 from specgate.workers.shared import FIELDS, FIT_FIELDS, SLOTS, SharedCounts, key_of, taken_at
+from tests.test_pools import STEP, TTFT
 
 SETTINGS = FleetSettings()
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
-TTFT = (20.0, 0.0, 30.0, 1.0, 0.0)
-"""A TTFT as the profile prices it: a step, a prompt's prefill and the overhead."""
-STEP = (10.0, 2.0, 0.0, 0.0, 0.0)
 
 
 @pytest.fixture
