@@ -468,24 +468,21 @@ def _merge_fits(out: array[float], at: int, fits: Sequence[tuple[memoryview[floa
     do not add; a tie goes to the first of them), and the correction factors of the latest (the
     highest stamp)."""
     out_keys = memoryview(out).cast("B").cast("q")
+    sources = [(words, memoryview(words).cast("B").cast("q"), base) for words, base in fits]
     answers: dict[int, float] = {}
-    for words, base in fits:
-        basis = memoryview(words).cast("B").cast("q")[base + _BASIS]
-        if basis != 0:
-            answers[basis] = answers.get(basis, 0.0) + words[base + _FITTED]
+    for words, keys, base in sources:
+        if keys[base + _BASIS] != 0:
+            answers[keys[base + _BASIS]] = answers.get(keys[base + _BASIS], 0.0) + words[base + _FITTED]
     if answers:
         chosen = max(answers, key=answers.__getitem__)
-        for words, base in fits:
-            if memoryview(words).cast("B").cast("q")[base + _BASIS] == chosen:
+        for words, keys, base in sources:
+            if keys[base + _BASIS] == chosen:
                 for word in range(_FITTED, _FACTORS_BASIS):
                     out[at + word] += words[base + word]
         out_keys[at + _BASIS] = chosen
-    latest = None
-    for words, base in fits:
-        keys = memoryview(words).cast("B").cast("q")
-        if keys[base + _FACTORS_BASIS] != 0 and (latest is None or keys[base + _FACTORS_STAMP] > latest[0]):
-            latest = (keys[base + _FACTORS_STAMP], keys[base + _FACTORS_BASIS], words, base)
-    if latest is not None:
-        stamp, basis, words, base = latest
+    factored = [(keys[base + _FACTORS_STAMP], words, keys, base) for words, keys, base in sources
+                if keys[base + _FACTORS_BASIS] != 0]  # fmt: skip
+    if factored:
+        stamp, words, keys, base = max(factored, key=lambda source: source[0])
         out[at + _TTFT_FACTOR], out[at + _TPOT_FACTOR] = words[base + _TTFT_FACTOR], words[base + _TPOT_FACTOR]
-        out_keys[at + _FACTORS_STAMP], out_keys[at + _FACTORS_BASIS] = stamp, basis
+        out_keys[at + _FACTORS_STAMP], out_keys[at + _FACTORS_BASIS] = stamp, keys[base + _FACTORS_BASIS]
