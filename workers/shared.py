@@ -471,8 +471,9 @@ def _merge_fits(out: array[float], at: int, fits: Sequence[tuple[memoryview[floa
     sources = [(words, memoryview(words).cast("B").cast("q"), base) for words, base in fits]
     answers: dict[int, float] = {}
     for words, keys, base in sources:
-        if keys[base + _BASIS] != 0:
-            answers[keys[base + _BASIS]] = answers.get(keys[base + _BASIS], 0.0) + words[base + _FITTED]
+        basis = keys[base + _BASIS]  # read once: a process that changes its fit zeroes it meanwhile
+        if basis != 0:
+            answers[basis] = answers.get(basis, 0.0) + words[base + _FITTED]
     if answers:
         chosen = max(answers, key=answers.__getitem__)
         for words, keys, base in sources:
