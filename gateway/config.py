@@ -292,6 +292,7 @@ class _Pricing(_Section, frozen=True):
 class _Advisor(_Section, frozen=True):
     enabled: bool = True
     interval_ms: Annotated[float, Meta(ge=1000, le=86_400_000)] = 300_000.0
+    plan_timeout_ms: Annotated[float, Meta(ge=1000, le=86_400_000)] = 300_000.0
     window_ms: Annotated[float, Meta(ge=1000, le=86_400_000)] = 900_000.0
     min_requests: Annotated[int, Meta(ge=1, le=1_000_000)] = 100
     max_requests: Annotated[int, Meta(ge=1, le=1_000_000)] = 2000
@@ -456,11 +457,12 @@ def parse_settings(doc: Mapping[str, Any], base: Path = Path()) -> GatewaySettin
         auth=AuthSettings(file.auth.enabled, _client_keys(file.auth, base)),
         usd_per_replica_hour=file.pricing.prices(),
         advisor=AdvisorSettings(
-            file.advisor.enabled,
-            file.advisor.interval_ms / 1e3,
-            file.advisor.window_ms / 1e3,
-            file.advisor.min_requests,
-            file.advisor.max_requests,
+            enabled=file.advisor.enabled,
+            interval_s=file.advisor.interval_ms / 1e3,
+            plan_timeout_s=file.advisor.plan_timeout_ms / 1e3,
+            window_s=file.advisor.window_ms / 1e3,
+            min_requests=file.advisor.min_requests,
+            max_requests=file.advisor.max_requests,
         ),
         fleet=FleetSettings(
             scrape_interval_s=scrape.interval_ms / 1e3,

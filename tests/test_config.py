@@ -34,6 +34,16 @@ def test_minimal_config_takes_defaults() -> None:
     assert not s.forward_authorization
 
 
+def test_the_advisor_settings_land_where_they_are_named() -> None:
+    doc = with_("advisor", interval_ms=60_000, plan_timeout_ms=90_000, window_ms=600_000, min_requests=50,
+                max_requests=500)  # fmt: skip
+    s = parse_settings(doc).advisor
+    assert (s.interval_s, s.plan_timeout_s, s.window_s) == (60.0, 90.0, 600.0)
+    assert (s.min_requests, s.max_requests) == (50, 500)
+    defaults = parse_settings(MINIMAL).advisor
+    assert (defaults.window_s, defaults.min_requests, defaults.max_requests) == (900.0, 100, 2000)
+
+
 def test_values_convert_to_seconds() -> None:
     doc = with_("scrape", interval_ms=100, failure_window=10, eject_failure_share=0.3)
     doc["timeouts"] = {"first_byte_ms": 1500, "idle_ms": 2000.5}
