@@ -1,8 +1,9 @@
 """`specgate bench daily`: a day of traffic with quiet hours and a peak, compressed into one run, on
 every fixed split of a fleet and on a fleet that switches servers between the pools as the live
-advisor does (the policy document's `switching`: plans on the recent traffic, the `Governor`'s
-hysteresis, a server drained, restarted for `--restart-s` serving nothing, re-admitted in the
-other pool). All in the offline simulator, side by side in one run, every core used.
+advisor does (the policy document's `switching`: plans on the recent traffic, at the rate the
+day before's same minutes say comes next unless `--no-yesterday`, the `Governor`'s hysteresis, a
+server drained, restarted for `--restart-min` serving nothing, re-admitted in the other pool).
+All in the offline simulator, side by side in one run, every core used.
 
 The day: the conversation trace's requests arriving along `bench/shapes.py`'s `ramp` (from 0.15 to
 1.85 times the mean rate, peak at noon) at `--rate-scale` times the trace's own mean rate. Per
@@ -56,17 +57,22 @@ class Day:
     """How long a switched server serves nothing: a real server's drain and restart."""
     confirmations: int = 2
     min_gain: float = 0.01
+    yesterday: bool = True
+    """The advisor has seen the day before (the same ramp, other arrivals): it plans on the rate
+    that the same minutes then say comes next, as the live advisor does from its second day."""
 
-    def requests_of_the_day(self) -> list[TraceRequest]:
+    def requests_of_the_day(self, seed: int | None = None) -> list[TraceRequest]:
         trace = scaled(read_trace(self.trace, self.requests), self.rate_scale)
-        return arrivals(trace, "ramp", self.seed)
+        return arrivals(trace, "ramp", self.seed if seed is None else seed)
 
     def switchover(self, span_s: float) -> Switchover:
         """The advisor's timings, from minutes of the day to seconds of the run."""
         s = span_s / (24 * 60)
         rules = Switching(enabled=True, min_per_pool=0, confirmations=self.confirmations, min_gain=self.min_gain,
                           cooldown_ms=self.interval_min * s * 1e3)  # fmt: skip
-        return Switchover(rules, self.interval_min * s, self.window_min * s, self.restart_min * s, min_requests=50)
+        history = [r.arrival_s - span_s for r in self.requests_of_the_day(self.seed + 1)] if self.yesterday else []
+        return Switchover(rules, self.interval_min * s, self.window_min * s, self.restart_min * s, min_requests=50,
+                          history=tuple(history), period_s=span_s)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -169,7 +175,9 @@ def report(results: dict[str, Any], command: str) -> str:
         f"{len(results['arrivals_per_s_by_hour'])} hours compressed into {results['span_s']:.0f} s of the "
         f"conversation trace's requests ({s['requests']}) at {s['rate_scale']:g}x its mean rate along a daily "
         f"ramp; {s['price_per_hour']:g} USD a server-hour. The switching fleet plans every {s['interval_min']:g} "
-        f"minutes of the day on the last {s['window_min']:g}, moves one server when {s['confirmations']} plans "
+        f"minutes of the day on the last {s['window_min']:g}"
+        + (" (at the rate the day before's same minutes say comes next)" if s["yesterday"] else "")
+        + f", moves one server when {s['confirmations']} plans "
         f"agree on at least {s['min_gain']:g} more attainment, and a switched server serves nothing for "
         f"{s['restart_min']:g} minutes.",
         "",
@@ -251,6 +259,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench daily") 
     parser.add_argument("--window-min", type=float, default=Day.window_min, help="the recent traffic it plans on")
     parser.add_argument("--confirmations", type=int, default=Day.confirmations, help="plans that must agree")
     parser.add_argument("--min-gain", type=float, default=Day.min_gain, help="predicted attainment a move must add")
+    parser.add_argument("--no-yesterday", dest="yesterday", action="store_false",
+                        help="the switching fleet's advisor has not seen the day before (its first day)")  # fmt: skip
     parser.add_argument("--starts", type=lambda t: [int(v) for v in t.split(",")], default=None,
                         help="speculative servers of the switching fleet at dawn (default: half)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
@@ -263,7 +273,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench daily") 
     day = Day(
         args.trace, args.requests, args.rate_scale, args.replicas, args.slo_ttft_ms, args.slo_tpot_ms, args.profile,
         args.price_per_hour, args.seed, args.interval_min, args.window_min, args.restart_min, args.confirmations,
-        args.min_gain,
+        args.min_gain, args.yesterday,
     )  # fmt: skip
     results = run_day(day, args.starts if args.starts is not None else [args.replicas // 2], args.jobs)
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)]).strip()

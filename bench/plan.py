@@ -48,8 +48,8 @@ class PlanSettings:
     splits: Sequence[int] = field(default=())
     """Speculative replicas of each split to simulate; empty: every one from 0 to `replicas`."""
     warm_up: bool = False
-    """Replay the trace twice and report the second round: a short stretch of traffic (the live
-    advisor's window) met by a fleet it has loaded, not by an idle one."""
+    """Replay the trace three times and report the middle round (`offline.warmed`): a short stretch
+    of traffic (the live advisor's window) as a fleet it keeps loaded meets it, not an idle one."""
 
     def speculative_counts(self) -> list[int]:
         return sorted(set(self.splits)) if self.splits else list(range(self.replicas + 1))

@@ -4,8 +4,9 @@ path.
 The gateway keeps the requests it answered over the last `window_s` (when each arrived, its prompt
 and output tokens, its SLO targets). Every `interval_s`, with enough of them, it hands them to
 `specgate plan` in a child process (`bench/plan.py`: every split of the fleet's replicas simulated
-with the adaptive policy on this traffic, replayed twice so that the second round, which it
-reports, meets a fleet this traffic has loaded rather than an idle one; the profile the policy
+with the adaptive policy on this traffic, replayed three times so that the middle round, which it
+reports, meets a fleet this traffic has loaded and keeps loaded rather than an idle one or one
+emptying behind it; the profile the policy
 document names and the traffic's commonest SLO pair) and only awaits its answer: the event loop
 does none of the work. The recommendation and its predicted gain over the fleet's current split go
 to `/metrics` (`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and
@@ -74,15 +75,56 @@ class Seen:
     slo_tpot_ms: float | None
 
 
-class TrafficWindow:
-    """The requests answered over the last `window_s`, at most `max_requests` of them."""
+class DailyRates:
+    """Arrivals counted in stretches of `bin_s` over the last two `period_s` (a day): how the traffic
+    grew or fell over the next minutes one period ago, which a daily pattern repeats."""
 
-    def __init__(self, window_s: float, max_requests: int) -> None:
+    def __init__(self, period_s: float = 86_400.0, bin_s: float = 60.0) -> None:
+        self.period_s = period_s
+        self.bin_s = bin_s
+        self._counts: dict[int, int] = {}
+        self._latest = -math.inf
+
+    def record(self, at: float) -> None:
+        index = math.floor(at / self.bin_s)
+        self._counts[index] = self._counts.get(index, 0) + 1
+        if at > self._latest + self.bin_s:  # forget what is over two periods old, now and then
+            self._latest = at
+            oldest = math.floor((at - 2 * self.period_s) / self.bin_s)
+            for stale in [i for i in self._counts if i < oldest]:
+                del self._counts[stale]
+
+    def between(self, start: float, end: float) -> float:
+        """Arrivals counted from `start` to `end`, a partly covered stretch by its covered share."""
+        total = 0.0
+        for index in range(math.floor(start / self.bin_s), math.ceil(end / self.bin_s)):
+            low, high = max(start, index * self.bin_s), min(end, (index + 1) * self.bin_s)
+            total += self._counts.get(index, 0) * max(high - low, 0.0) / self.bin_s
+        return total
+
+    def growth(self, now: float, window_s: float, horizon_s: float, at_least: int = 50) -> float | None:
+        """How many times the rate of the last `window_s` one period ago the rate of the `horizon_s`
+        after it was then; None without at least `at_least` arrivals in each of the two a period
+        ago (no day of history yet, or too little traffic to tell)."""
+        before = self.between(now - self.period_s - window_s, now - self.period_s)
+        ahead = self.between(now - self.period_s, now - self.period_s + horizon_s)
+        if before < at_least or ahead < at_least:
+            return None
+        return (ahead / horizon_s) / (before / window_s)
+
+
+class TrafficWindow:
+    """The requests answered over the last `window_s`, at most `max_requests` of them, and the
+    arrivals of the last two days (`daily`)."""
+
+    def __init__(self, window_s: float, max_requests: int, daily: DailyRates | None = None) -> None:
         self.window_s = window_s
         self._seen: deque[Seen] = deque(maxlen=max_requests)
+        self.daily = daily if daily is not None else DailyRates()
 
     def record(self, seen: Seen) -> None:
         self._seen.append(seen)
+        self.daily.record(seen.at)
 
     def requests(self, now: float) -> list[Seen]:
         while self._seen and self._seen[0].at < now - self.window_s:
@@ -90,10 +132,11 @@ class TrafficWindow:
         return list(self._seen)
 
 
-def trace_csv(seen: list[Seen]) -> bytes:
-    """The requests as a trace `specgate plan` reads (`timestamp_s,input_tokens,output_tokens`)."""
+def trace_csv(seen: list[Seen], rate_scale: float = 1.0) -> bytes:
+    """The requests as a trace `specgate plan` reads (`timestamp_s,input_tokens,output_tokens`),
+    arriving `rate_scale` times as fast as they did."""
     start = seen[0].at if seen else 0.0
-    rows = [f"{s.at - start:.4f},{max(s.prompt_tokens, 1)},{max(s.output_tokens, 1)}" for s in seen]
+    rows = [f"{(s.at - start) / rate_scale:.4f},{max(s.prompt_tokens, 1)},{max(s.output_tokens, 1)}" for s in seen]
     return ("timestamp_s,input_tokens,output_tokens\n" + "\n".join(rows) + "\n").encode()
 
 
@@ -132,6 +175,8 @@ class Advice:
     planned_at: float
     """Wall-clock time (Unix seconds)."""
     splits: list[dict[str, Any]] = field(default_factory=list)
+    growth: float | None = None
+    """The rate planned on, as a multiple of the window's (`DailyRates.growth`); None: as it was."""
 
     def view(self) -> dict[str, object]:
         """As GET /admin/fleet shows it."""
@@ -140,7 +185,7 @@ class Advice:
             "recommended_speculative_replicas": self.recommended, "current_speculative_replicas": self.current,
             "predicted_gain": self.gain, "requests": self.requests, "slo_ttft_ms": self.slo[0],
             "slo_tpot_ms": self.slo[1], "profile": self.profile, "planned_at": self.planned_at,
-            "attainment_by_speculative_replicas": attainment,
+            "attainment_by_speculative_replicas": attainment, "rate_growth": self.growth,
         }  # fmt: skip
 
 
@@ -227,10 +272,15 @@ class Advisor:
                 _log.warning("advisor: no plan this time: %r", exc)
 
     async def plan_once(self) -> Advice | None:
-        seen = self.window.requests(time.monotonic())
+        now = time.monotonic()
+        seen = self.window.requests(now)
         slo = commonest_slo(seen)
         if len(seen) < self.settings.min_requests or slo is None:
             return None
+        # A move made now stands at least until `confirmations` more plans can undo it: plan on the
+        # rate this time of day brought over that long yesterday, when there was a yesterday.
+        horizon_s = max(self.rules().confirmations, 1) * self.settings.interval_s
+        growth = self.window.daily.growth(now, self.settings.window_s, horizon_s)
         spec, plain = self.fleet_split()
         profile = self.profile()
         if profile in PROFILES:
@@ -249,7 +299,8 @@ class Advisor:
             preexec_fn=launch.die_with_parent,
         )  # fmt: skip
         try:
-            out, err = await asyncio.wait_for(proc.communicate(trace_csv(seen)), timeout=self.settings.plan_timeout_s)
+            csv = trace_csv(seen, growth or 1.0)
+            out, err = await asyncio.wait_for(proc.communicate(csv), timeout=self.settings.plan_timeout_s)
         finally:
             if proc.returncode is None:  # timed out or cancelled: it goes too
                 with contextlib.suppress(ProcessLookupError):
@@ -263,13 +314,13 @@ class Advisor:
         recommended = int(results["recommended"])
         advice = Advice(
             recommended, spec, attainment[recommended] - attainment.get(spec, float("nan")), len(seen), slo,
-            profile, time.time(), splits,
+            profile, time.time(), splits, growth,
         )  # fmt: skip
         if self.advice is None or self.advice.recommended != recommended:
             _log.info(
-                "advisor: %d speculative + %d plain recommended for the last %d requests (now %d + %d; "
-                "predicted SLO attainment %+.3f)", recommended, spec + plain - recommended, len(seen), spec, plain,
-                advice.gain,
+                "advisor: %d speculative + %d plain recommended for the last %d requests at %.2f times their rate "
+                "(now %d + %d; predicted SLO attainment %+.3f)", recommended, spec + plain - recommended, len(seen),
+                growth or 1.0, spec, plain, advice.gain,
             )  # fmt: skip
         self.advice = advice
         rules = self.rules()

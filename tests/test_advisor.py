@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from specgate.bench.traces import read_trace
 from specgate.calibration import profile_file
@@ -14,6 +16,7 @@ from specgate.calibration.profiles import A100_CODELLAMA_34B, PROFILES
 from specgate.gateway.advisor import (
     Advisor,
     AdvisorSettings,
+    DailyRates,
     Governor,
     Seen,
     TrafficWindow,
@@ -44,6 +47,45 @@ def test_the_plan_reads_the_window_as_a_trace(tmp_path: Path) -> None:
     assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in trace] == [
         (0.0, 200, 20), (0.5, 200, 20), (3.0, 203, 20)
     ]  # fmt: skip
+
+
+def test_the_plan_can_read_the_window_at_another_rate(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_bytes(trace_csv([seen(100.0), seen(101.0), seen(104.0)], rate_scale=2.0))
+    assert [r.arrival_s for r in read_trace(path)] == [0.0, 0.5, 2.0]
+
+
+def yesterday_and_today(rate: Callable[[float], float], until: float) -> DailyRates:
+    """Arrivals at `rate(time of day)` a second, evenly spaced, over the day before and today until
+    `until` (seconds of today)."""
+    daily = DailyRates(period_s=86_400.0, bin_s=60.0)
+    at = -86_400.0
+    while at < until:
+        daily.record(at)
+        at += 1.0 / rate(at % 86_400.0)
+    return daily
+
+
+def test_the_rate_to_come_is_what_the_same_minutes_brought_yesterday() -> None:
+    def ramp(t: float) -> float:
+        return 1.0 + 9.0 * t / 86_400.0  # 1 a second at midnight, 10 just before the next
+
+    daily = yesterday_and_today(ramp, until=43_200.0)  # noon
+    growth = daily.growth(43_200.0, window_s=900.0, horizon_s=3_600.0)
+    assert growth == pytest.approx(ramp(43_200.0 + 1_800.0) / ramp(43_200.0 - 450.0), rel=0.01)
+    assert growth is not None
+    assert growth > 1.0
+    assert DailyRates().growth(43_200.0, 900.0, 3_600.0) is None  # no day seen yet
+    quiet = yesterday_and_today(lambda t: 0.01, until=43_200.0)  # 9 requests in 15 minutes
+    assert quiet.growth(43_200.0, 900.0, 3_600.0) is None  # too few to tell a trend from chance
+
+
+def test_the_counts_of_two_days_ago_are_forgotten() -> None:
+    daily = yesterday_and_today(lambda t: 1.0, until=0.0)
+    assert daily.between(-86_400.0, 0.0) == pytest.approx(86_400.0, rel=1e-3)
+    daily.record(2 * 86_400.0)
+    assert daily.between(-86_400.0, 0.0) == 0.0
+    assert daily.between(2 * 86_400.0 - 1.0, 2 * 86_400.0 + 60.0) == 1.0
 
 
 def test_the_plan_takes_the_commonest_slo_pair() -> None:
@@ -128,6 +170,35 @@ async def test_the_advisor_switches_a_server_when_its_plans_agree() -> None:
     off.window, off.governor = advisor.window, Governor(streak=1, direction=1)  # one plan from a move
     await off.plan_once()
     assert moves == [1]  # switching is off unless the policy document enables it
+
+
+async def test_the_advisor_plans_on_the_rate_yesterday_brought_next() -> None:
+    """Yesterday, the same minutes' traffic tripled over the next two intervals: the plan replays
+    the window's requests three times as fast, and every split meets less than at their own pace."""
+    trace = read_trace(Path(__file__).parents[2] / "shared/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv", 200)
+    settings = AdvisorSettings(interval_s=120.0, window_s=600.0, min_requests=100, max_requests=200)
+    plans = {}
+    for history in (False, True):
+        advisor = Advisor(settings, lambda: (2, 2), lambda: A100_CODELLAMA_34B.name, PROFILES)
+        now = time.monotonic()
+        if history:
+            yesterday = now - advisor.window.daily.period_s
+            for i in range(100):  # 1 every 6 s over the window's 600 s, then 3 times as many
+                advisor.window.daily.record(yesterday - 600.0 + 6.0 * i)
+            for i in range(120):  # over the 240 s (two intervals) after it
+                advisor.window.daily.record(yesterday + 2.0 * i)
+        start = now - trace[-1].arrival_s
+        for r in trace:
+            advisor.window.record(Seen(start + r.arrival_s, r.prompt_tokens, r.output_tokens, 2000.0, 50.0))
+        plans[history] = await advisor.plan_once()
+    plain, grown = plans[False], plans[True]
+    assert plain is not None
+    assert grown is not None
+    assert plain.growth is None
+    assert grown.growth == pytest.approx(3.0, rel=0.15)  # counted by the minute: a minute's smear
+    assert grown.view()["rate_growth"] == grown.growth
+    for at_pace, faster in zip(plain.splits, grown.splits, strict=True):
+        assert faster["slo_attainment"] < at_pace["slo_attainment"]
 
 
 def test_the_governor_crosses_a_valley_toward_the_better_end() -> None:

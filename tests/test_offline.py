@@ -16,6 +16,7 @@ from specgate.bench.offline import (
     policy_document,
     simulate,
     steady,
+    warmed,
 )
 from specgate.bench.traces import TraceError, TraceRequest, read_trace, scaled
 from specgate.calibration.modes import Pool
@@ -239,6 +240,24 @@ def test_a_short_trace_replayed_on_the_fleet_it_loaded_counts_once_and_fares_no_
     assert loaded.requests == len(trace)
     assert loaded.summary()["ttft_p50_ms"] > once.summary()["ttft_p50_ms"]
     assert loaded.summary()["slo_attainment"] <= once.summary()["slo_attainment"]
+
+
+def test_a_short_window_is_counted_between_its_own_traffic_before_and_after_it() -> None:
+    """A window about as long as its requests take, past saturation: counted alone, its last
+    requests would finish on an emptying replica; counted between two more rounds of itself, they
+    decode beside the next round's prompts, as they would while the traffic went on."""
+    trace = scaled(read_trace(AZURE, 60), 8.0)
+    scenario = Scenario(A100_CODELLAMA_34B, Fleetspec(1, 0), "least-loaded", 2000.0, 50.0)
+    rounds, start, end = warmed(trace)
+    assert len(rounds) == 3 * len(trace)
+    assert [r.arrival_s for r in rounds] == sorted(r.arrival_s for r in rounds)
+    middle = steady(trace, scenario)
+    assert middle.requests == len(trace)
+    assert all(start <= s.arrival_s < end for s in middle.served)
+    nothing_after = simulate(rounds[: 2 * len(trace)], scenario).between(start, end)
+    assert nothing_after.requests == len(trace)
+    assert middle.summary()["tpot_p50_ms"] > nothing_after.summary()["tpot_p50_ms"]
+    assert warmed(trace[:1])[1] > 0  # a single request: its rounds still apart
 
 
 def test_bench_daily_writes_every_split_and_the_switching_fleet(tmp_path: Path) -> None:
