@@ -64,9 +64,9 @@ class Fleetspec:
 class Switchover:
     """A fleet whose servers switch between the pools as the live advisor switches them: every
     `interval_s` it plans on the requests of the last `window_s` (every split, simulated with the
-    same policy on them replayed three times, the middle round counted), the `Governor` decides, and a
-    server it moves is drained, restarted (`restart_s`, serving nothing) and re-admitted in the
-    other pool."""
+    same policy on them replayed three times, the middle round counted), the `Governor` decides,
+    and a server it moves is drained, restarted (`restart_s`, serving nothing) and re-admitted in
+    the other pool."""
 
     rules: Switching = Switching(enabled=True)  # noqa: RUF009 (immutable)
     interval_s: float = 60.0
@@ -566,7 +566,7 @@ def warmed(trace: Sequence[TraceRequest]) -> tuple[list[TraceRequest], float, fl
     traffic meets an idle fleet and leaves its last requests to finish on an emptying one, and
     past saturation both make it look better than it is: a window only about as long as its
     requests take (a few hundred requests of a busy fleet) was measured as if its load came and
-    went, and the splits looked alike where, kept up, one met 6-16 points more."""
+    went, and the splits looked alike where, kept up, one met 4-20 points more an hour."""
     if not trace:
         return [], 0.0, 0.0
     span = trace[-1].arrival_s - trace[0].arrival_s

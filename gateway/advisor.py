@@ -6,11 +6,12 @@ and output tokens, its SLO targets). Every `interval_s`, with enough of them, it
 `specgate plan` in a child process (`bench/plan.py`: every split of the fleet's replicas simulated
 with the adaptive policy on this traffic, replayed three times so that the middle round, which it
 reports, meets a fleet this traffic has loaded and keeps loaded rather than an idle one or one
-emptying behind it; the profile the policy
-document names and the traffic's commonest SLO pair) and only awaits its answer: the event loop
-does none of the work. The recommendation and its predicted gain over the fleet's current split go
-to `/metrics` (`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and
-`GET /admin/fleet`; a log line says when the recommendation changes.
+emptying behind it, and from the second day at the rate the same minutes brought next the day
+before (`DailyRates`); the profile the policy document names and the traffic's commonest SLO
+pair) and only awaits its answer: the event loop does none of the work. The recommendation and its
+predicted gain over the fleet's current split go to `/metrics`
+(`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and `GET
+/admin/fleet`; a log line says when the recommendation changes.
 
 It recommends; it moves a server only when the policy document's `switching` enables it and the
 gateway can restart servers (a [launch] section and a policy store): then, when `confirmations`
