@@ -484,9 +484,16 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             fixed = dataclasses.replace(scenario, fleet=Fleetspec(spec, replicas - spec), switching=None)
             attainment[spec] = float(steady(window, fixed).summary()["slo_attainment"])
         recommended = max(attainment, key=lambda k: (attainment[k], k == current))
+        last_plan[:] = [(attainment, recommended)]
         step = governor.move(switchover.rules, attainment, recommended, current, replicas, now)
-        if not step:
-            return
+        if step:
+            start_move(step, now)
+
+    last_plan: list[tuple[dict[int, float], int]] = []
+    """The last plan: each split's attainment, and the recommended one."""
+
+    def start_move(step: int, now: float) -> None:
+        nonlocal moving
         to = Pool.SPECULATIVE if step > 0 else Pool.PLAIN
         name = min((n for n, r in fleet.replicas.items() if r.pool is to.other),
                    key=lambda n: sims[n].engine.num_running + sims[n].engine.num_waiting)  # fmt: skip
@@ -515,6 +522,12 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             view.arrange(placement, drained=())
         switches.append((moving.drained_at, now, name, to))
         moving = None
+        if last_plan:
+            assert switchover is not None
+            current = sum(r.pool is Pool.SPECULATIVE for r in fleet.replicas.values())
+            step = governor.follow(switchover.rules, *last_plan[0], current, len(fleet.replicas), now)
+            if step:
+                start_move(step, now)
 
     for gateway in gateways:  # each scrapes at moments of its own, spread over the interval
         scrape(0.0, gateway)

@@ -100,12 +100,14 @@ class Switching(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_per_pool: Annotated[int, Meta(ge=0, le=1000)] = 1
     """It never leaves a pool with fewer servers than this."""
     confirmations: Annotated[int, Meta(ge=1, le=100)] = 2
-    """Plans in a row that must want the same direction before a server moves (hysteresis); while
-    the plans after it go on wanting it, one more moves each cooldown."""
+    """Plans in a row that must want the same direction before a server moves (hysteresis); then
+    the next moves as soon as the last is back while that plan wants more, and while the plans
+    after it go on wanting it, one more each cooldown."""
     min_gain: Annotated[float, Meta(ge=0, le=1)] = 0.01
     """The predicted SLO attainment a move must add, on the traffic planned on."""
     cooldown_ms: Annotated[float, Meta(ge=0, le=86_400_000)] = 600_000.0
-    """After a move, how long before the next may start."""
+    """After a move, how long before a later plan's may start (the moves one plan wants follow one
+    another as each server is back)."""
 
 
 ReplicaUrl = Annotated[str, Meta(pattern=r"^https?://[^\s/]+$", max_length=512)]

@@ -165,11 +165,12 @@ async def test_the_advisor_switches_a_server_when_its_plans_agree() -> None:
     assert first.recommended > 1
     assert moves == []  # once is not enough
     await advisor.plan_once()
-    assert moves == [1], [(s["speculative"], s["slo_attainment"]) for s in first.splits]
+    # 1 + 3 to 3 + 1 (one plain server kept): a server at a time, the second as the first is back
+    assert moves == [1, 1], [(s["speculative"], s["slo_attainment"]) for s in first.splits]
     off = Advisor(settings, lambda: (1, 3), lambda: A100_CODELLAMA_34B.name, PROFILES, Switching, mover)
     off.window, off.governor = advisor.window, Governor(streak=1, direction=1)  # one plan from a move
     await off.plan_once()
-    assert moves == [1]  # switching is off unless the policy document enables it
+    assert moves == [1, 1]  # switching is off unless the policy document enables it
 
 
 async def test_the_advisor_plans_on_the_rate_yesterday_brought_next() -> None:
@@ -199,6 +200,19 @@ async def test_the_advisor_plans_on_the_rate_yesterday_brought_next() -> None:
     assert grown.view()["rate_growth"] == grown.growth
     for at_pace, faster in zip(plain.splits, grown.splits, strict=True):
         assert faster["slo_attainment"] < at_pace["slo_attainment"]
+
+
+def test_once_a_direction_is_confirmed_the_next_server_moves_as_the_last_is_back() -> None:
+    """The plan wants all four servers plain: after the first move, one more each time a move
+    ends, with no cooldown between, until the plan's split is reached."""
+    plain_wins = {0: 0.9, 1: 0.85, 2: 0.8, 3: 0.75, 4: 0.7}
+    rules = msgspec.structs.replace(RULES, min_per_pool=0)  # cooldown 60 s
+    g = Governor()
+    assert g.follow(rules, plain_wins, 0, 4, 4, now=0.0) == 0  # no direction confirmed yet
+    assert [g.move(rules, plain_wins, 0, 4, 4, now=t) for t in (0.0, 100.0)] == [0, -1]
+    assert [g.follow(rules, plain_wins, 0, current, 4, now=101.0) for current in (3, 2, 1, 0)] == [-1, -1, -1, 0]
+    assert g.move(rules, plain_wins, 0, 1, 4, now=120.0) == 0  # the cooldown still spaces the plans' moves
+    assert g.follow(rules, {**plain_wins, 0: 0.855}, 0, 1, 4, now=121.0) == 0  # not worth min_gain
 
 
 def test_the_governor_crosses_a_valley_toward_the_better_end() -> None:
