@@ -525,7 +525,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         if last_plan:
             assert switchover is not None
             current = sum(r.pool is Pool.SPECULATIVE for r in fleet.replicas.values())
-            step = governor.follow(switchover.rules, *last_plan[0], current, len(fleet.replicas), now)
+            step = governor.move(switchover.rules, *last_plan[0], current, len(fleet.replicas), now, after_move=True)
             if step:
                 start_move(step, now)
 

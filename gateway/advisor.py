@@ -19,8 +19,8 @@ plans in a row want the same direction, each predicting at least `min_gain` more
 for the recommended split than for the current one, and no move was made in the last
 `cooldown_ms`, it switches one server (`gateway/switching.py`), never leaving a pool with fewer
 than `min_per_pool`; once that server serves in its other pool, the next at once while that plan
-wants more of the direction (`Governor.follow`), and while every later plan still wants it, one
-more each `cooldown_ms`, until one does not. The `Governor` holds that hysteresis; the offline
+wants more of the direction (`Governor.move`, `after_move`), and while every later plan still
+wants it, one more each `cooldown_ms`, until one does not. The `Governor` holds that hysteresis; the offline
 simulator runs the same one.
 """
 
@@ -210,38 +210,30 @@ class Governor:
         current: int,
         replicas: int,
         now: float,
+        *,
+        after_move: bool = False,
     ) -> int:
         """+1: a plain server should speculate now; -1: a speculative one should stop; 0: stay.
         `attainment` is the planned splits', by their speculative servers; `now` in seconds. The
         gain that counts is the recommended split's (within the minimum per pool) over the current
         one's, not the next step's: mixed fleets may do worse than either end (past saturation on
-        some hardware), and a move toward a better end must not be stopped by the valley between."""
+        some hardware), and a move toward a better end must not be stopped by the valley between.
+
+        `after_move`: asked again of the same plan when its move has ended (the server serves in its
+        other pool, `current` counting it): the next step at once if that plan wants more of a
+        confirmed direction, no cooldown (which is between plans). A server a plan apart, a fleet
+        took 80 minutes of a day to turn all plain for a peak its plans had seen coming."""
         step = _wanted(rules, attainment, recommended, current, replicas)
+        if after_move:
+            step = step if step == self.direction and self.streak >= rules.confirmations else 0
+            self.moved_at = now if step else self.moved_at
+            return step
         if step == 0:
             self.streak, self.direction = 0, 0
             return 0
         self.streak = self.streak + 1 if step == self.direction else 1
         self.direction = step
         if self.streak < rules.confirmations or now - self.moved_at < rules.cooldown_ms / 1e3:
-            return 0
-        self.moved_at = now
-        return step
-
-    def follow(
-        self,
-        rules: Switching,
-        attainment: Mapping[int, float],
-        recommended: int,
-        current: int,
-        replicas: int,
-        now: float,
-    ) -> int:
-        """When a move has ended (the server serves in its other pool, `current` counting it): the
-        next step at once, if the plan that made the move wants more of a confirmed direction; no
-        cooldown, which is between plans. A server a plan apart, a fleet took 80 minutes of a day
-        to turn from all speculative to all plain for a peak its plans had seen coming."""
-        step = _wanted(rules, attainment, recommended, current, replicas)
-        if step == 0 or step != self.direction or self.streak < rules.confirmations:
             return 0
         self.moved_at = now
         return step
@@ -363,6 +355,6 @@ class Advisor:
                 while step:  # the move ends when the server serves in its other pool
                     await self.mover(step)
                     current += step
-                    step = self.governor.follow(rules, attainment, recommended, current, spec + plain,
-                                                time.monotonic())  # fmt: skip
+                    step = self.governor.move(rules, attainment, recommended, current, spec + plain, time.monotonic(),
+                                              after_move=True)  # fmt: skip
         return advice

@@ -208,11 +208,16 @@ def test_once_a_direction_is_confirmed_the_next_server_moves_as_the_last_is_back
     plain_wins = {0: 0.9, 1: 0.85, 2: 0.8, 3: 0.75, 4: 0.7}
     rules = msgspec.structs.replace(RULES, min_per_pool=0)  # cooldown 60 s
     g = Governor()
-    assert g.follow(rules, plain_wins, 0, 4, 4, now=0.0) == 0  # no direction confirmed yet
+    assert g.move(rules, plain_wins, 0, 4, 4, now=0.0, after_move=True) == 0  # no direction confirmed yet
     assert [g.move(rules, plain_wins, 0, 4, 4, now=t) for t in (0.0, 100.0)] == [0, -1]
-    assert [g.follow(rules, plain_wins, 0, current, 4, now=101.0) for current in (3, 2, 1, 0)] == [-1, -1, -1, 0]
+    assert [g.move(rules, plain_wins, 0, current, 4, now=101.0, after_move=True) for current in (3, 2, 1, 0)] == [
+        -1,
+        -1,
+        -1,
+        0,
+    ]
     assert g.move(rules, plain_wins, 0, 1, 4, now=120.0) == 0  # the cooldown still spaces the plans' moves
-    assert g.follow(rules, {**plain_wins, 0: 0.855}, 0, 1, 4, now=121.0) == 0  # not worth min_gain
+    assert g.move(rules, {**plain_wins, 0: 0.855}, 0, 1, 4, now=121.0, after_move=True) == 0  # not worth min_gain
 
 
 def test_the_governor_crosses_a_valley_toward_the_better_end() -> None:
