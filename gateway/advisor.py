@@ -20,8 +20,8 @@ for the recommended split than for the current one, and no move was made in the 
 `cooldown_ms`, it switches one server (`gateway/switching.py`), never leaving a pool with fewer
 than `min_per_pool`; once that server serves in its other pool, the next at once while that plan
 wants more of the direction (`Governor.move`, `after_move`), and while every later plan still
-wants it, one more each `cooldown_ms`, until one does not. The `Governor` holds that hysteresis; the offline
-simulator runs the same one.
+wants it, one more each `cooldown_ms`, until one does not. The `Governor` holds that hysteresis;
+the offline simulator runs the same one.
 """
 
 from __future__ import annotations
