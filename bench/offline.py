@@ -26,7 +26,7 @@ from typing import Any
 from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import PROFILES, Profile
-from specgate.gateway.advisor import DailyRates, Governor
+from specgate.gateway.advisor import DailyRates, Governor, plan_horizon_s
 from specgate.policies.admission import QUEUE_FULL, REVIEW_INTERVAL_S, AdmissionQueue
 from specgate.policies.decision import Decision, Hold, Shed, Verdict
 from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, Switching, parse
@@ -461,9 +461,11 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         daily.record(at)
     counted = 0
     """The requests whose arrivals `daily` has counted."""
+    last_plan: tuple[dict[int, float], int] | None = None
+    """The last plan: each split's attainment, and the recommended one."""
 
     def advise(now: float) -> None:
-        nonlocal moving, counted
+        nonlocal moving, counted, last_plan
         assert switchover is not None
         last = bisect.bisect_right(arrived_at, now)
         first = max(bisect.bisect_right(arrived_at, now - switchover.window_s), last - switchover.max_requests)
@@ -473,8 +475,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         window = list(trace[first:last])
         if moving is not None or len(window) < switchover.min_requests:
             return
-        horizon = max(switchover.rules.confirmations, 1) * switchover.interval_s
-        growth = daily.growth(now, switchover.window_s, horizon) if switchover.history else None
+        growth = daily.growth(now, switchover.window_s, plan_horizon_s(switchover.rules, switchover.interval_s))
         if growth is not None:
             window = [dataclasses.replace(r, arrival_s=r.arrival_s / growth) for r in window]
         replicas = len(fleet.replicas)
@@ -484,13 +485,10 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             fixed = dataclasses.replace(scenario, fleet=Fleetspec(spec, replicas - spec), switching=None)
             attainment[spec] = float(steady(window, fixed).summary()["slo_attainment"])
         recommended = max(attainment, key=lambda k: (attainment[k], k == current))
-        last_plan[:] = [(attainment, recommended)]
+        last_plan = (attainment, recommended)
         step = governor.move(switchover.rules, attainment, recommended, current, replicas, now)
         if step:
             start_move(step, now)
-
-    last_plan: list[tuple[dict[int, float], int]] = []
-    """The last plan: each split's attainment, and the recommended one."""
 
     def start_move(step: int, now: float) -> None:
         nonlocal moving
@@ -522,10 +520,10 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             view.arrange(placement, drained=())
         switches.append((moving.drained_at, now, name, to))
         moving = None
-        if last_plan:
+        if last_plan is not None:
             assert switchover is not None
             current = sum(r.pool is Pool.SPECULATIVE for r in fleet.replicas.values())
-            step = governor.move(switchover.rules, *last_plan[0], current, len(fleet.replicas), now, after_move=True)
+            step = governor.move(switchover.rules, *last_plan, current, len(fleet.replicas), now, after_move=True)
             if step:
                 start_move(step, now)
 

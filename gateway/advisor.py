@@ -115,14 +115,20 @@ class DailyRates:
         return (ahead / horizon_s) / (before / window_s)
 
 
+def plan_horizon_s(rules: Switching, interval_s: float) -> float:
+    """How long a move decided now stands at least: until `confirmations` more plans, an interval
+    apart, can undo it. The plans are made on the rate expected over that long."""
+    return max(rules.confirmations, 1) * interval_s
+
+
 class TrafficWindow:
     """The requests answered over the last `window_s`, at most `max_requests` of them, and the
     arrivals of the last two days (`daily`)."""
 
-    def __init__(self, window_s: float, max_requests: int, daily: DailyRates | None = None) -> None:
+    def __init__(self, window_s: float, max_requests: int) -> None:
         self.window_s = window_s
         self._seen: deque[Seen] = deque(maxlen=max_requests)
-        self.daily = daily if daily is not None else DailyRates()
+        self.daily = DailyRates()
 
     def record(self, seen: Seen) -> None:
         self._seen.append(seen)
@@ -226,7 +232,8 @@ class Governor:
         step = _wanted(rules, attainment, recommended, current, replicas)
         if after_move:
             step = step if step == self.direction and self.streak >= rules.confirmations else 0
-            self.moved_at = now if step else self.moved_at
+            if step:
+                self.moved_at = now
             return step
         if step == 0:
             self.streak, self.direction = 0, 0
@@ -297,9 +304,8 @@ class Advisor:
         slo = commonest_slo(seen)
         if len(seen) < self.settings.min_requests or slo is None:
             return None
-        # A move made now stands at least until `confirmations` more plans can undo it: plan on the
-        # rate this time of day brought over that long yesterday, when there was a yesterday.
-        horizon_s = max(self.rules().confirmations, 1) * self.settings.interval_s
+        # At the rate this time of day brought over the move's horizon yesterday, if there was one.
+        horizon_s = plan_horizon_s(self.rules(), self.settings.interval_s)
         growth = self.window.daily.growth(now, self.settings.window_s, horizon_s)
         spec, plain = self.fleet_split()
         profile = self.profile()
