@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specgate.bench.offline import Fleetspec, RunResult, Scenario, Switchover, simulate
-from specgate.bench.plan import throughput
+from specgate.bench.offline import Fleetspec, RunResult, Scenario, Switchover, simulate, throughput
 from specgate.bench.shapes import arrivals
 from specgate.bench.traces import TraceRequest, read_trace, scaled
 from specgate.calibration.modes import Pool
@@ -96,20 +95,27 @@ def run(job: Job) -> dict[str, Any]:
     return {
         "fleet": label, "speculative": job.speculative, "switching": job.switching, **result.summary(),
         **throughput(result, day.price_per_hour * day.replicas),
-        "hourly_attainment": hourly(result, result.span_s or 1e-9), "switches": [
+        **hourly(result, result.span_s or 1e-9), "switches": [
             {"drained_s": a, "serving_s": b, "server": name, "to": pool.value} for a, b, name, pool in result.switches
         ],
     }  # fmt: skip
 
 
-def hourly(result: RunResult, span: float) -> list[float]:
-    """SLO attainment of the requests that arrived in each hour of the day (refused ones missed)."""
-    met, seen = [0] * HOURS, [0] * HOURS
-    for at, good in [(s.arrival_s, s.meets()) for s in result.served] + [(at, False) for at, _ in result.refusals]:
+def hourly(result: RunResult, span: float) -> dict[str, list[float]]:
+    """By hour of arrival: the SLO attainment of the requests that arrived (refused ones missed),
+    and the output tokens a second of those that met their SLOs."""
+    met, seen, good_tokens = [0] * HOURS, [0] * HOURS, [0] * HOURS
+    served = [(s.arrival_s, s.output_tokens if s.meets() else None) for s in result.served]
+    for at, tokens in served + [(at, None) for at, _ in result.refusals]:
         hour = min(int(at / span * HOURS), HOURS - 1)
         seen[hour] += 1
-        met[hour] += good
-    return [m / n if n else math.nan for m, n in zip(met, seen, strict=True)]
+        if tokens is not None:
+            met[hour] += 1
+            good_tokens[hour] += tokens
+    return {
+        "hourly_attainment": [m / n if n else math.nan for m, n in zip(met, seen, strict=True)],
+        "hourly_good_tokens_per_s": [t / (span / HOURS) for t in good_tokens],
+    }
 
 
 def speculative_by_hour(row: dict[str, Any], span: float) -> list[float]:
@@ -177,9 +183,9 @@ def report(results: dict[str, Any], command: str) -> str:
         f"ramp; {s['price_per_hour']:g} USD a server-hour. The switching fleet plans every {s['interval_min']:g} "
         f"minutes of the day on the last {s['window_min']:g}"
         + (" (at the rate the day before's same minutes say comes next)" if s["yesterday"] else "")
-        + f", moves one server when {s['confirmations']} plans "
-        f"agree on at least {s['min_gain']:g} more attainment, and a switched server serves nothing for "
-        f"{s['restart_min']:g} minutes.",
+        + f", moves one server when {s['confirmations']} plans in a row predict at least "
+        f"{s['min_gain'] * 100:g}% more good tokens for the split they recommend, the next as soon as it is back "
+        f"while that plan wants more, and a switched server serves nothing for {s['restart_min']:g} minutes.",
         "",
         "| fleet | SLO attainment | goodput req/s | TTFT p99 ms | TPOT p99 ms | $/M tokens | $/M good tokens "
         "| switches |",
@@ -209,6 +215,11 @@ def report(results: dict[str, Any], command: str) -> str:
     for r in results["runs"]:
         cells = " | ".join("-" if math.isnan(v) else f"{v:.2f}" for v in r["hourly_attainment"])
         lines.append(f"| {r['fleet']} | {cells} |")
+    lines += ["", "Output tokens a second of the requests that met their SLOs, by hour of arrival:", ""]
+    lines.append("| fleet | " + " | ".join(str(h) for h in range(hours)) + " |")
+    lines.append("|---|" + "---|" * hours)
+    for r in results["runs"]:
+        lines.append(f"| {r['fleet']} | " + " | ".join(f"{v:.0f}" for v in r["hourly_good_tokens_per_s"]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -258,7 +269,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench daily") 
     parser.add_argument("--interval-min", type=float, default=Day.interval_min, help="how often the advisor plans")
     parser.add_argument("--window-min", type=float, default=Day.window_min, help="the recent traffic it plans on")
     parser.add_argument("--confirmations", type=int, default=Day.confirmations, help="plans that must agree")
-    parser.add_argument("--min-gain", type=float, default=Day.min_gain, help="predicted attainment a move must add")
+    parser.add_argument(
+        "--min-gain", type=float, default=Day.min_gain, help="predicted share of good tokens a move must add"
+    )
     parser.add_argument("--no-yesterday", dest="yesterday", action="store_false",
                         help="the switching fleet's advisor has not seen the day before (its first day)")  # fmt: skip
     parser.add_argument("--starts", type=lambda t: [int(v) for v in t.split(",")], default=None,

@@ -25,8 +25,9 @@ from typing import Any
 
 from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
+from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import PROFILES, Profile
-from specgate.gateway.advisor import DailyRates, Governor, plan_horizon_s
+from specgate.gateway.advisor import DailyRates, Governor, plan_horizon_s, recommend
 from specgate.policies.admission import QUEUE_FULL, REVIEW_INTERVAL_S, AdmissionQueue
 from specgate.policies.decision import Decision, Hold, Shed, Verdict
 from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, Switching, parse
@@ -462,7 +463,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     counted = 0
     """The requests whose arrivals `daily` has counted."""
     last_plan: tuple[dict[int, float], int] | None = None
-    """The last plan: each split's attainment, and the recommended one."""
+    """The last plan: each split's good tokens a second, and the recommended one."""
 
     def advise(now: float) -> None:
         nonlocal moving, counted, last_plan
@@ -480,13 +481,15 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             window = [dataclasses.replace(r, arrival_s=r.arrival_s / growth) for r in window]
         replicas = len(fleet.replicas)
         current = sum(r.pool is Pool.SPECULATIVE for r in fleet.replicas.values())
-        attainment = {}
+        splits = []
         for spec in range(replicas + 1):
             fixed = dataclasses.replace(scenario, fleet=Fleetspec(spec, replicas - spec), switching=None)
-            attainment[spec] = float(steady(window, fixed).summary()["slo_attainment"])
-        recommended = max(attainment, key=lambda k: (attainment[k], k == current))
-        last_plan = (attainment, recommended)
-        step = governor.move(switchover.rules, attainment, recommended, current, replicas, now)
+            planned = steady(window, fixed)
+            splits.append({"speculative": spec, **planned.summary(), **throughput(planned, None)})
+        good_tokens = {int(s["speculative"]): float(s["good_tokens_per_s"]) for s in splits}
+        recommended = int(recommend(splits)["speculative"])
+        last_plan = (good_tokens, recommended)
+        step = governor.move(switchover.rules, good_tokens, recommended, current, replicas, now)
         if step:
             start_move(step, now)
 
@@ -586,6 +589,19 @@ def warmed(trace: Sequence[TraceRequest]) -> tuple[list[TraceRequest], float, fl
         dataclasses.replace(r, arrival_s=r.arrival_s - trace[0].arrival_s + k * period) for k in range(3) for r in trace
     ]
     return rounds, period, 2 * period
+
+
+def throughput(result: RunResult, fleet_per_hour: float | None) -> dict[str, float]:
+    """The tokens a second the fleet generated, all of them and those of requests that met their
+    SLOs, and, when the fleet has a price an hour, what a million of each cost."""
+    span = result.span_s or 1e-9
+    tokens = sum(s.output_tokens for s in result.served) / span
+    good = sum(s.output_tokens for s in result.served if s.meets()) / span
+    figures = {"tokens_per_s": tokens, "good_tokens_per_s": good}
+    if fleet_per_hour is not None:
+        figures["usd_per_million_tokens"] = usd_per_million_tokens(fleet_per_hour, tokens)
+        figures["usd_per_million_good_tokens"] = usd_per_million_tokens(fleet_per_hour, good)
+    return figures
 
 
 def steady(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:

@@ -7,9 +7,10 @@ SLO attainment, goodput, TTFT and TPOT p50 and p99, the tokens generated a secon
 per replica-hour, what a million of them cost (`calibration/pricing.py`): all the tokens served, and
 only those of requests that met their SLOs (what the traffic is paying for). At the traffic's own
 rate every split serves about as many tokens, so the first cost moves little; the second follows
-the attainment. Recommended: the split that meets the most SLOs; among those within half a point of
-it, the one whose good tokens cost least, then the one with the more speculative replicas' lower
-TPOT p99.
+the attainment. Recommended (`gateway/advisor.py`'s `recommend`, which the live advisor follows):
+the split whose requests that met their SLOs got the most tokens, the cheapest good tokens at one
+price a replica-hour; among those within half a percent of it, the one that meets the most SLOs,
+then the one with the lower TPOT p99.
 """
 
 from __future__ import annotations
@@ -21,13 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specgate.bench.offline import Fleetspec, RunResult, Scenario, simulate, steady
+from specgate.bench.offline import Fleetspec, Scenario, simulate, steady, throughput
 from specgate.bench.traces import TraceRequest, read_trace, scaled
-from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import Profile
-
-TIE = 0.005
-"""Splits within this much SLO attainment of the best one count as as good."""
+from specgate.gateway.advisor import recommend
 
 
 @dataclass(frozen=True)
@@ -67,32 +65,6 @@ def run_split(settings: PlanSettings, trace: list[TraceRequest], speculative: in
         "speculative": speculative, "plain": fleet.plain, "fleet": fleet.label, **result.summary(),
         **throughput(result, per_hour),
     }  # fmt: skip
-
-
-def throughput(result: RunResult, fleet_per_hour: float | None) -> dict[str, float]:
-    """The tokens a second the fleet generated, all of them and those of requests that met their
-    SLOs, and, when the fleet has a price an hour, what a million of each cost."""
-    span = result.span_s or 1e-9
-    tokens = sum(s.output_tokens for s in result.served) / span
-    good = sum(s.output_tokens for s in result.served if s.meets()) / span
-    figures = {"tokens_per_s": tokens, "good_tokens_per_s": good}
-    if fleet_per_hour is not None:
-        figures["usd_per_million_tokens"] = usd_per_million_tokens(fleet_per_hour, tokens)
-        figures["usd_per_million_good_tokens"] = usd_per_million_tokens(fleet_per_hour, good)
-    return figures
-
-
-def _sort_key(row: dict[str, Any]) -> tuple[float, float]:
-    p99 = row["tpot_p99_ms"]
-    return (row.get("usd_per_million_good_tokens", 0.0), math.inf if math.isnan(p99) else p99)
-
-
-def recommend(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The split that meets the most SLOs; within `TIE` of it, the cheapest good tokens, then the
-    lowest TPOT p99."""
-    best = max(r["slo_attainment"] for r in rows)
-    contenders = [r for r in rows if r["slo_attainment"] >= best - TIE]
-    return min(contenders, key=_sort_key)
 
 
 def plan(settings: PlanSettings) -> dict[str, Any]:

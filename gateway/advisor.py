@@ -8,15 +8,17 @@ with the adaptive policy on this traffic, replayed three times so that the middl
 reports, meets a fleet this traffic has loaded and keeps loaded rather than an idle one or one
 emptying behind it, and from the second day at the rate the same minutes brought next the day
 before (`DailyRates`); the profile the policy document names and the traffic's commonest SLO
-pair) and only awaits its answer: the event loop does none of the work. The recommendation and its
-predicted gain over the fleet's current split go to `/metrics`
+pair) and only awaits its answer: the event loop does none of the work. The split it recommends
+(`recommend`) is the one whose requests that met their SLOs were served the most tokens: what the
+fleet is paid to serve, and at one price a server-hour the cheapest good tokens; SLO attainment
+breaks ties. The recommendation and its predicted gain over the fleet's current split go to `/metrics`
 (`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and `GET
 /admin/fleet`; a log line says when the recommendation changes.
 
 It recommends; it moves a server only when the policy document's `switching` enables it and the
 gateway can restart servers (a [launch] section and a policy store): then, when `confirmations`
-plans in a row want the same direction, each predicting at least `min_gain` more SLO attainment
-for the recommended split than for the current one, and no move was made in the last
+plans in a row want the same direction, each predicting that the recommended split serves at least
+`min_gain` (a share) more good tokens than the current one, and no move was made in the last
 `cooldown_ms`, it switches one server (`gateway/switching.py`), never leaving a pool with fewer
 than `min_per_pool`; once that server serves in its other pool, the next at once while that plan
 wants more of the direction (`Governor.move`, `after_move`), and while every later plan still
@@ -36,7 +38,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,6 +117,35 @@ class DailyRates:
         return (ahead / horizon_s) / (before / window_s)
 
 
+TIE = 0.005
+"""Splits within this share of the most good tokens count as as good."""
+
+
+def recommend(splits: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The split whose requests that met their SLOs were served the most tokens a second
+    (`good_tokens_per_s`): within `TIE` of it, the one that meets the most SLOs, then the lowest
+    TPOT p99. Good tokens, not requests: a split that meets many short requests and misses the
+    long ones meets more SLOs and serves less of what the fleet is paid for (at a peak, a
+    speculative fleet meets as many requests as a plain one an hour before the plain one serves
+    a tenth more good tokens, and falls behind in both after)."""
+    most = max(s["good_tokens_per_s"] for s in splits)
+    contenders = [s for s in splits if s["good_tokens_per_s"] >= most * (1 - TIE)]
+
+    def tpot_p99(split: Mapping[str, Any]) -> float:
+        return math.inf if math.isnan(split["tpot_p99_ms"]) else float(split["tpot_p99_ms"])
+
+    return min(contenders, key=lambda s: (-s["slo_attainment"], tpot_p99(s)))
+
+
+def split_gain(good_tokens: Mapping[int, float], target: int, current: int) -> float:
+    """How much more good tokens a second the `target` split serves than the `current` one, as a
+    share of the current one's (splits by their speculative servers)."""
+    now, then = good_tokens.get(current, math.nan), good_tokens.get(target, math.nan)
+    if now > 0:
+        return then / now - 1
+    return math.inf if then > 0 else 0.0
+
+
 def plan_horizon_s(rules: Switching, interval_s: float) -> float:
     """How long a move decided now stands at least: until `confirmations` more plans, an interval
     apart, can undo it. The plans are made on the rate expected over that long."""
@@ -176,7 +207,8 @@ class Advice:
     current: int
     """Speculative replicas of the fleet as it is."""
     gain: float
-    """The recommended split's predicted SLO attainment less the current split's, on this traffic."""
+    """The recommended split's predicted good tokens a second over the current split's, less one
+    (`split_gain`), on this traffic."""
     requests: int
     slo: tuple[float, float]
     profile: str
@@ -189,11 +221,13 @@ class Advice:
     def view(self) -> dict[str, object]:
         """As GET /admin/fleet shows it."""
         attainment = {str(s["speculative"]): s["slo_attainment"] for s in self.splits}
+        good_tokens = {str(s["speculative"]): s["good_tokens_per_s"] for s in self.splits}
         return {
             "recommended_speculative_replicas": self.recommended, "current_speculative_replicas": self.current,
             "predicted_gain": self.gain, "requests": self.requests, "slo_ttft_ms": self.slo[0],
             "slo_tpot_ms": self.slo[1], "profile": self.profile, "planned_at": self.planned_at,
-            "attainment_by_speculative_replicas": attainment, "rate_growth": self.growth,
+            "attainment_by_speculative_replicas": attainment, "good_tokens_per_s_by_speculative_replicas": good_tokens,
+            "rate_growth": self.growth,
         }  # fmt: skip
 
 
@@ -211,7 +245,7 @@ class Governor:
     def move(
         self,
         rules: Switching,
-        attainment: Mapping[int, float],
+        good_tokens: Mapping[int, float],
         recommended: int,
         current: int,
         replicas: int,
@@ -220,8 +254,8 @@ class Governor:
         after_move: bool = False,
     ) -> int:
         """+1: a plain server should speculate now; -1: a speculative one should stop; 0: stay.
-        `attainment` is the planned splits', by their speculative servers; `now` in seconds. The
-        gain that counts is the recommended split's (within the minimum per pool) over the current
+        `good_tokens` is the planned splits' good tokens a second, by their speculative servers;
+        `now` in seconds. The gain that counts is the recommended split's (within the minimum per pool) over the current
         one's, not the next step's: mixed fleets may do worse than either end (past saturation on
         some hardware), and a move toward a better end must not be stopped by the valley between.
 
@@ -229,7 +263,7 @@ class Governor:
         other pool, `current` counting it): the next step at once if that plan wants more of a
         confirmed direction, no cooldown (which is between plans). A server a plan apart, a fleet
         took 80 minutes of a day to turn all plain for a peak its plans had seen coming."""
-        step = _wanted(rules, attainment, recommended, current, replicas)
+        step = _wanted(rules, good_tokens, recommended, current, replicas)
         if after_move:
             step = step if step == self.direction and self.streak >= rules.confirmations else 0
             if step:
@@ -246,13 +280,12 @@ class Governor:
         return step
 
 
-def _wanted(rules: Switching, attainment: Mapping[int, float], recommended: int, current: int, replicas: int) -> int:
+def _wanted(rules: Switching, good_tokens: Mapping[int, float], recommended: int, current: int, replicas: int) -> int:
     """The step toward the recommended split (within the minimum per pool), if the plan predicts it
-    gains at least `min_gain` over the current one; else 0."""
+    serves at least `min_gain` more good tokens than the current one; else 0."""
     target = min(max(recommended, rules.min_per_pool), replicas - rules.min_per_pool)
     step = (target > current) - (target < current)
-    gain = attainment.get(target, math.nan) - attainment.get(current, math.nan)
-    return step if step != 0 and gain >= rules.min_gain else 0
+    return step if step != 0 and split_gain(good_tokens, target, current) >= rules.min_gain else 0
 
 
 Mover = Callable[[int], Awaitable[None]]
@@ -336,23 +369,23 @@ class Advisor:
             raise ValueError(f"specgate plan exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
         results = json.loads(out)
         splits = results["splits"]
-        attainment = {int(s["speculative"]): float(s["slo_attainment"]) for s in splits}
+        good_tokens = {int(s["speculative"]): float(s["good_tokens_per_s"]) for s in splits}
         recommended = int(results["recommended"])
         advice = Advice(
-            recommended, spec, attainment[recommended] - attainment.get(spec, float("nan")), len(seen), slo,
-            profile, time.time(), splits, growth,
+            recommended, spec, split_gain(good_tokens, recommended, spec), len(seen), slo, profile, time.time(),
+            splits, growth,
         )  # fmt: skip
         if self.advice is None or self.advice.recommended != recommended:
             _log.info(
                 "advisor: %d speculative + %d plain recommended for the last %d requests at %.2f times their rate "
-                "(now %d + %d; predicted SLO attainment %+.3f)", recommended, spec + plain - recommended, len(seen),
-                growth or 1.0, spec, plain, advice.gain,
+                "(now %d + %d; predicted good tokens %+.1f%%)", recommended, spec + plain - recommended, len(seen),
+                growth or 1.0, spec, plain, advice.gain * 100,
             )  # fmt: skip
         self.advice = advice
         rules = self.rules()
         if rules.enabled:
             # The plan covers every split: the recommended and the current one among them.
-            step = self.governor.move(rules, attainment, recommended, spec, spec + plain, time.monotonic())
+            step = self.governor.move(rules, good_tokens, recommended, spec, spec + plain, time.monotonic())
             if step and self.mover is None:
                 _log.warning("advisor: switching is enabled but this gateway cannot restart servers "
                              "(it needs a [launch] section and a policy store)")  # fmt: skip
@@ -361,6 +394,6 @@ class Advisor:
                 while step:  # the move ends when the server serves in its other pool
                     await self.mover(step)
                     current += step
-                    step = self.governor.move(rules, attainment, recommended, current, spec + plain, time.monotonic(),
+                    step = self.governor.move(rules, good_tokens, recommended, current, spec + plain, time.monotonic(),
                                               after_move=True)  # fmt: skip
         return advice

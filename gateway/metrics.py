@@ -296,8 +296,9 @@ class GatewayMetrics:
         r = self.registry
         recommended = Gauge("specgate_recommended_speculative_replicas", "Speculative replicas of the split "
                             "the live advisor recommends for the recent traffic.", registry=r)  # fmt: skip
-        gain = Gauge("specgate_recommended_split_gain", "The recommended split's predicted SLO attainment less "
-                     "the current split's, on the recent traffic.", registry=r)  # fmt: skip
+        gain = Gauge("specgate_recommended_split_gain", "The recommended split's predicted good tokens a second "
+                     "(of requests that meet their SLOs) over the current split's, less one, on the recent traffic.",
+                     registry=r)  # fmt: skip
         recommended.set_function(read("recommended"))
         gain.set_function(read("gain"))
 

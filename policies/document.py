@@ -104,7 +104,8 @@ class Switching(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the next moves as soon as the last is back while that plan wants more, and while the plans
     after it go on wanting it, one more each cooldown."""
     min_gain: Annotated[float, Meta(ge=0, le=1)] = 0.01
-    """The predicted SLO attainment a move must add, on the traffic planned on."""
+    """The share of good tokens a second (of requests that met their SLOs) the recommended split
+    must be predicted to add to the current one's, on the traffic planned on (0.01: 1% more)."""
     cooldown_ms: Annotated[float, Meta(ge=0, le=86_400_000)] = 600_000.0
     """After a move, how long before a later plan's may start (the moves one plan wants follow one
     another as each server is back)."""

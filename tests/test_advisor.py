@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from specgate.gateway.advisor import (
     Seen,
     TrafficWindow,
     commonest_slo,
+    split_gain,
     trace_csv,
 )
 from specgate.policies.document import Switching
@@ -110,7 +112,7 @@ RULES = Switching(enabled=True, min_per_pool=1, confirmations=2, min_gain=0.01, 
 
 
 def test_the_governor_moves_one_server_after_plans_agree_and_waits_after_a_move() -> None:
-    want_more = {1: 0.80, 2: 0.85, 3: 0.86, 4: 0.87}
+    want_more = {1: 800.0, 2: 850.0, 3: 860.0, 4: 870.0}  # good tokens a second, by speculative servers
     g = Governor()
     assert g.move(RULES, want_more, 4, 1, 4, now=0.0) == 0  # one plan is not enough
     assert g.move(RULES, want_more, 4, 1, 4, now=10.0) == 1  # a step toward the recommendation
@@ -119,14 +121,14 @@ def test_the_governor_moves_one_server_after_plans_agree_and_waits_after_a_move(
     assert g.move(RULES, want_more, 4, 2, 4, now=80.0) == 1
     # Never below the minimum of a pool: 4 of 4 speculative would leave no plain server.
     assert Governor().move(RULES, want_more, 4, 3, 4, now=0.0) == 0
-    flat = {1: 0.85, 2: 0.853, 3: 0.857}  # less than a point in all: not worth a restart
+    flat = {1: 850.0, 2: 853.0, 3: 857.0}  # less than 1% more good tokens: not worth a restart
     g = Governor()
     assert [g.move(RULES, flat, 3, 1, 4, now=t) for t in (0.0, 100.0, 200.0)] == [0, 0, 0]
 
 
 def test_the_governor_follows_a_confirmed_direction_a_server_each_cooldown() -> None:
-    more = {0: 0.70, 1: 0.75, 2: 0.80, 3: 0.85, 4: 0.90}
-    flat = dict.fromkeys(range(5), 0.8)
+    more = {0: 700.0, 1: 750.0, 2: 800.0, 3: 850.0, 4: 900.0}
+    flat = dict.fromkeys(range(5), 800.0)
     rules = msgspec.structs.replace(RULES, min_per_pool=0)
     g = Governor()
     steps = [g.move(rules, more, 4, current, 4, now=t) for t, current in ((0.0, 0), (60.0, 0), (120.0, 1), (180.0, 2))]
@@ -137,7 +139,7 @@ def test_the_governor_follows_a_confirmed_direction_a_server_each_cooldown() -> 
 
 
 def test_the_governor_forgets_a_streak_when_the_plans_change_their_mind() -> None:
-    more, fewer = {1: 0.8, 2: 0.85, 3: 0.9}, {1: 0.9, 2: 0.85, 3: 0.8}
+    more, fewer = {1: 800.0, 2: 850.0, 3: 900.0}, {1: 900.0, 2: 850.0, 3: 800.0}
     g = Governor()
     steps = [g.move(RULES, a, r, 2, 4, now=100.0 * i) for i, (a, r) in enumerate([(more, 3), (fewer, 1), (more, 3)])]
     assert steps == [0, 0, 0]
@@ -205,7 +207,7 @@ async def test_the_advisor_plans_on_the_rate_yesterday_brought_next() -> None:
 def test_once_a_direction_is_confirmed_the_next_server_moves_as_the_last_is_back() -> None:
     """The plan wants all four servers plain: after the first move, one more each time a move
     ends, with no cooldown between, until the plan's split is reached."""
-    plain_wins = {0: 0.9, 1: 0.85, 2: 0.8, 3: 0.75, 4: 0.7}
+    plain_wins = {0: 900.0, 1: 850.0, 2: 800.0, 3: 750.0, 4: 700.0}
     rules = msgspec.structs.replace(RULES, min_per_pool=0)  # cooldown 60 s
     g = Governor()
     assert g.move(rules, plain_wins, 0, 4, 4, now=0.0, after_move=True) == 0  # no direction confirmed yet
@@ -217,13 +219,22 @@ def test_once_a_direction_is_confirmed_the_next_server_moves_as_the_last_is_back
         0,
     ]
     assert g.move(rules, plain_wins, 0, 1, 4, now=120.0) == 0  # the cooldown still spaces the plans' moves
-    assert g.move(rules, {**plain_wins, 0: 0.855}, 0, 1, 4, now=121.0, after_move=True) == 0  # not worth min_gain
+    assert g.move(rules, {**plain_wins, 0: 855.0}, 0, 1, 4, now=121.0, after_move=True) == 0  # not worth min_gain
 
 
 def test_the_governor_crosses_a_valley_toward_the_better_end() -> None:
     """Past saturation mixed fleets may do worse than either end: the move toward the best split
     counts that split's gain, not the next step's."""
-    valley = {0: 0.79, 1: 0.74, 2: 0.73, 3: 0.74, 4: 0.75}
+    valley = {0: 790.0, 1: 740.0, 2: 730.0, 3: 740.0, 4: 750.0}
     rules = msgspec.structs.replace(RULES, min_per_pool=0, confirmations=1, cooldown_ms=0)
     g = Governor()
     assert [g.move(rules, valley, 0, current, 4, now=10.0 - current) for current in (4, 3, 2, 1)] == [-1] * 4
+
+
+def test_a_split_gains_the_share_of_good_tokens_it_adds() -> None:
+    assert split_gain({0: 800.0, 4: 1000.0}, 4, 0) == 0.25
+    assert split_gain({0: 800.0, 4: 1000.0}, 0, 4) == pytest.approx(-0.2)
+    assert split_gain({0: 0.0, 4: 10.0}, 4, 0) == math.inf  # from nothing met, anything is worth a move
+    assert split_gain({0: 0.0, 4: 0.0}, 4, 0) == 0.0
+    assert math.isnan(split_gain({0: 800.0}, 4, 0))  # a split the plan did not cover
+    assert Governor().move(msgspec.structs.replace(RULES, confirmations=1), {1: 800.0}, 3, 1, 4, now=0.0) == 0

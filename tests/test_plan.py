@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from specgate.bench.plan import PlanSettings, plan, recommend, table
+from specgate.bench.plan import PlanSettings, plan, table
 from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import A100_CODELLAMA_34B
 from specgate.cli import main
+from specgate.gateway.advisor import recommend
 
 
 def light_trace(tmp_path: Path, requests: int = 60) -> Path:
@@ -44,13 +45,17 @@ def test_a_tpot_only_speculation_meets_needs_a_speculative_replica(tmp_path: Pat
     assert "$/M good tokens" in text
 
 
-def test_the_recommendation_breaks_ties_on_the_cost_of_good_tokens() -> None:
+def test_the_recommendation_is_the_most_good_tokens_then_the_most_slos_met() -> None:
     rows: list[dict[str, Any]] = [
-        {"speculative": 0, "slo_attainment": 0.95, "usd_per_million_good_tokens": 5.0, "tpot_p99_ms": 40.0},
-        {"speculative": 1, "slo_attainment": 0.953, "usd_per_million_good_tokens": 4.0, "tpot_p99_ms": 45.0},
-        {"speculative": 2, "slo_attainment": 0.90, "usd_per_million_good_tokens": 1.0, "tpot_p99_ms": 20.0},
+        {"speculative": 0, "slo_attainment": 0.95, "good_tokens_per_s": 1000.0, "tpot_p99_ms": 40.0},
+        {"speculative": 1, "slo_attainment": 0.96, "good_tokens_per_s": 996.0, "tpot_p99_ms": float("nan")},
+        {"speculative": 2, "slo_attainment": 0.96, "good_tokens_per_s": 997.0, "tpot_p99_ms": 45.0},
+        {"speculative": 3, "slo_attainment": 0.99, "good_tokens_per_s": 900.0, "tpot_p99_ms": 20.0},
     ]
-    assert recommend(rows)["speculative"] == 1  # 2 is cheaper but meets five points fewer
+    # 3 meets more requests but serves a tenth fewer good tokens; 0, 1 and 2 are within half a
+    # percent of the most, 1 and 2 meet one point more, and 2's TPOT p99 is known.
+    assert recommend(rows)["speculative"] == 2
+    assert recommend(rows[:1] + rows[3:])["speculative"] == 0
 
 
 def test_the_command_prints_writes_and_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
