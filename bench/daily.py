@@ -2,8 +2,10 @@
 every fixed split of a fleet and on a fleet that switches servers between the pools as the live
 advisor does (the policy document's `switching`: plans on the recent traffic, at the rate the
 day before's same minutes say comes next unless `--no-yesterday`, the `Governor`'s hysteresis, a
-server drained, restarted for `--restart-min` serving nothing, re-admitted in the other pool).
-All in the offline simulator, side by side in one run, every core used.
+server drained, restarted for `--restart-min` serving nothing, re-admitted in the other pool),
+from `--starts` at dawn and, where that fleet ends the day in another split, again from the split
+it ended in (a fleet that switches every day begins each as the last ended). All in the offline
+simulator, side by side in one run, every core used.
 
 The day: the conversation trace's requests arriving along `bench/shapes.py`'s `ramp` (from 0.15 to
 1.85 times the mean rate, peak at noon) at `--rate-scale` times the trace's own mean rate. Per
@@ -80,6 +82,8 @@ class Job:
     speculative: int
     """Speculative servers of the fixed split, or of the switching fleet at dawn."""
     switching: bool
+    next_day: bool = False
+    """A switching fleet's second day: it starts as its first ended."""
 
 
 def run(job: Job) -> dict[str, Any]:
@@ -91,7 +95,11 @@ def run(job: Job) -> dict[str, Any]:
         switching=day.switchover(trace[-1].arrival_s) if job.switching else None,
     )  # fmt: skip
     result = simulate(trace, scenario)
-    label = f"switching (from {fleet.label} at dawn)" if job.switching else fleet.label
+    label = fleet.label
+    if job.next_day:
+        label = f"switching, the next day (from {fleet.label}, as it ended)"
+    elif job.switching:
+        label = f"switching (from {fleet.label} at dawn)"
     return {
         "fleet": label, "speculative": job.speculative, "switching": job.switching, **result.summary(),
         **throughput(result, day.price_per_hour * day.replicas),
@@ -135,12 +143,24 @@ def speculative_by_hour(row: dict[str, Any], span: float) -> list[float]:
     return count
 
 
+def ended_with(row: dict[str, Any]) -> int:
+    """The switching fleet's speculative servers at the end of its day."""
+    return int(row["speculative"]) + sum(1 if s["to"] == Pool.SPECULATIVE.value else -1 for s in row["switches"])
+
+
 def run_day(day: Day, starts: Sequence[int], jobs: int) -> dict[str, Any]:
+    """Every fixed split and a switching fleet from each of `starts` at dawn; and, where a switching
+    fleet ends its day in another split than it began, its next day, begun as it ended (a fleet that
+    switches every day starts each as the last ended: its steady state)."""
     trace = day.requests_of_the_day()
     span = trace[-1].arrival_s - trace[0].arrival_s
-    work = [Job(day, k, False) for k in range(day.replicas + 1)] + [Job(day, k, True) for k in starts]
-    with ProcessPoolExecutor(max(min(jobs, len(work)), 1)) as pool:
-        rows = list(pool.map(run, work))
+    with ProcessPoolExecutor(max(min(jobs, day.replicas + 1 + len(starts)), 1)) as pool:
+        first_days = [pool.submit(run, Job(day, k, True)) for k in starts]  # the longest runs first
+        fixed_runs = [pool.submit(run, Job(day, k, False)) for k in range(day.replicas + 1)]
+        switching = [f.result() for f in first_days]
+        next_days = [pool.submit(run, Job(day, ended_with(r), True, next_day=True)) for r in switching
+                     if ended_with(r) != r["speculative"]]  # fmt: skip
+        rows = [f.result() for f in fixed_runs] + switching + [f.result() for f in next_days]
     rate = [0] * HOURS
     for request in trace:
         rate[min(int(request.arrival_s / span * HOURS), HOURS - 1)] += 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from specgate.bench.daily import hourly
+from specgate.bench.daily import ended_with, hourly
 from specgate.bench.offline import RunResult, Served
 from specgate.calibration.modes import Pool
 from specgate.policies.features import SloTargets
@@ -23,3 +23,9 @@ def test_each_hour_counts_the_requests_that_arrived_in_it_and_the_good_tokens_of
     assert all(math.isnan(a) for a in attainment[2:23])
     assert good_tokens[0] == 3.0  # the met request's 300 tokens over the hour's 100 s, not the late one's
     assert (good_tokens[1], good_tokens[23]) == (0.0, 2.0)
+
+
+def test_a_switching_fleet_ends_its_day_where_its_moves_took_it() -> None:
+    moves = [{"to": "speculative"}, {"to": "speculative"}, {"to": "plain"}, {"to": "speculative"}]
+    assert ended_with({"speculative": 2, "switches": moves}) == 4
+    assert ended_with({"speculative": 1, "switches": []}) == 1
