@@ -11,8 +11,8 @@ before (`DailyRates`); the profile the policy document names and the traffic's c
 pair) and only awaits its answer: the event loop does none of the work. The split it recommends
 (`recommend`) is the one whose requests that met their SLOs were served the most tokens: what the
 fleet is paid to serve, and at one price a server-hour the cheapest good tokens; SLO attainment
-breaks ties. The recommendation and its predicted gain over the fleet's current split go to `/metrics`
-(`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and `GET
+breaks ties. The recommendation and its predicted gain over the fleet's current split go to
+`/metrics` (`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and `GET
 /admin/fleet`; a log line says when the recommendation changes.
 
 It recommends; it moves a server only when the policy document's `switching` enables it and the
@@ -125,9 +125,9 @@ def recommend(splits: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """The split whose requests that met their SLOs were served the most tokens a second
     (`good_tokens_per_s`): within `TIE` of it, the one that meets the most SLOs, then the lowest
     TPOT p99. Good tokens, not requests: a split that meets many short requests and misses the
-    long ones meets more SLOs and serves less of what the fleet is paid for (at a peak, a
-    speculative fleet meets as many requests as a plain one an hour before the plain one serves
-    a tenth more good tokens, and falls behind in both after)."""
+    long ones meets more SLOs and serves less of what the fleet is paid for (as a peak begins, a
+    speculative fleet may meet as many requests as a plain one while serving a tenth fewer good
+    tokens, and meet fewer of both an hour later)."""
     most = max(s["good_tokens_per_s"] for s in splits)
     contenders = [s for s in splits if s["good_tokens_per_s"] >= most * (1 - TIE)]
 
@@ -255,9 +255,10 @@ class Governor:
     ) -> int:
         """+1: a plain server should speculate now; -1: a speculative one should stop; 0: stay.
         `good_tokens` is the planned splits' good tokens a second, by their speculative servers;
-        `now` in seconds. The gain that counts is the recommended split's (within the minimum per pool) over the current
-        one's, not the next step's: mixed fleets may do worse than either end (past saturation on
-        some hardware), and a move toward a better end must not be stopped by the valley between.
+        `now` in seconds. The gain that counts is the recommended split's (within the minimum per
+        pool) over the current one's, not the next step's: mixed fleets may do worse than either
+        end (past saturation on some hardware), and a move toward a better end must not be stopped
+        by the valley between.
 
         `after_move`: asked again of the same plan when its move has ended (the server serves in its
         other pool, `current` counting it): the next step at once if that plan wants more of a
