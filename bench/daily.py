@@ -126,26 +126,27 @@ def hourly(result: RunResult, span: float) -> dict[str, list[float]]:
     }
 
 
-def speculative_by_hour(row: dict[str, Any], span: float) -> list[float]:
-    """The switching fleet's speculative servers at the middle of each hour (a restarting server
-    counts in neither pool)."""
-    count = []
-    for hour in range(HOURS):
-        t = (hour + 0.5) * span / HOURS
-        n = row["speculative"]
-        for s in row["switches"]:
-            was_speculative = s["to"] == Pool.PLAIN.value
-            if s["serving_s"] <= t:
-                n += -1 if was_speculative else 1
-            elif s["drained_s"] <= t and was_speculative:
-                n -= 1
-        count.append(n)
-    return count
+def speculative_at(row: dict[str, Any], t: float) -> int:
+    """The switching fleet's speculative servers at `t` (a restarting server counts in neither
+    pool)."""
+    n = int(row["speculative"])
+    for s in row["switches"]:
+        was_speculative = s["to"] == Pool.PLAIN.value
+        if s["serving_s"] <= t:
+            n += -1 if was_speculative else 1
+        elif s["drained_s"] <= t and was_speculative:
+            n -= 1
+    return n
+
+
+def speculative_by_hour(row: dict[str, Any], span: float) -> list[int]:
+    """The switching fleet's speculative servers at the middle of each hour."""
+    return [speculative_at(row, (hour + 0.5) * span / HOURS) for hour in range(HOURS)]
 
 
 def ended_with(row: dict[str, Any]) -> int:
     """The switching fleet's speculative servers at the end of its day."""
-    return int(row["speculative"]) + sum(1 if s["to"] == Pool.SPECULATIVE.value else -1 for s in row["switches"])
+    return speculative_at(row, math.inf)
 
 
 def run_day(day: Day, starts: Sequence[int], jobs: int) -> dict[str, Any]:

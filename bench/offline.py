@@ -27,7 +27,7 @@ from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
 from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import PROFILES, Profile
-from specgate.gateway.advisor import DailyRates, Governor, plan_horizon_s, recommend
+from specgate.gateway.advisor import DailyRates, Governor, good_tokens_by_split, plan_horizon_s, recommend
 from specgate.policies.admission import QUEUE_FULL, REVIEW_INTERVAL_S, AdmissionQueue
 from specgate.policies.decision import Decision, Hold, Shed, Verdict
 from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, Switching, parse
@@ -486,7 +486,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             fixed = dataclasses.replace(scenario, fleet=Fleetspec(spec, replicas - spec), switching=None)
             planned = steady(window, fixed)
             splits.append({"speculative": spec, **planned.summary(), **throughput(planned, None)})
-        good_tokens = {int(s["speculative"]): float(s["good_tokens_per_s"]) for s in splits}
+        good_tokens = good_tokens_by_split(splits)
         recommended = int(recommend(splits)["speculative"])
         last_plan = (good_tokens, recommended)
         step = governor.move(switchover.rules, good_tokens, recommended, current, replicas, now)

@@ -137,6 +137,12 @@ def recommend(splits: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     return min(contenders, key=lambda s: (-s["slo_attainment"], tpot_p99(s)))
 
 
+def good_tokens_by_split(splits: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """A plan's splits' good tokens a second, by their speculative servers (as `Governor.move`
+    takes them)."""
+    return {int(s["speculative"]): float(s["good_tokens_per_s"]) for s in splits}
+
+
 def split_gain(good_tokens: Mapping[int, float], target: int, current: int) -> float:
     """How much more good tokens a second the `target` split serves than the `current` one, as a
     share of the current one's (splits by their speculative servers)."""
@@ -370,7 +376,7 @@ class Advisor:
             raise ValueError(f"specgate plan exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
         results = json.loads(out)
         splits = results["splits"]
-        good_tokens = {int(s["speculative"]): float(s["good_tokens_per_s"]) for s in splits}
+        good_tokens = good_tokens_by_split(splits)
         recommended = int(results["recommended"])
         advice = Advice(
             recommended, spec, split_gain(good_tokens, recommended, spec), len(seen), slo, profile, time.time(),

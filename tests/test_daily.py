@@ -26,6 +26,9 @@ def test_each_hour_counts_the_requests_that_arrived_in_it_and_the_good_tokens_of
 
 
 def test_a_switching_fleet_ends_its_day_where_its_moves_took_it() -> None:
-    moves = [{"to": "speculative"}, {"to": "speculative"}, {"to": "plain"}, {"to": "speculative"}]
+    moves = [
+        {"drained_s": 10.0 * i, "serving_s": 10.0 * i + 5, "server": f"s{i}", "to": to}
+        for i, to in enumerate(["speculative", "speculative", "plain", "speculative"])
+    ]
     assert ended_with({"speculative": 2, "switches": moves}) == 4
     assert ended_with({"speculative": 1, "switches": []}) == 1
