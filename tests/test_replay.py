@@ -2,7 +2,10 @@
 through a real gateway in front of simulated replicas gives the same attainment within a few points."""
 
 import gc
+import random
+import statistics
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,14 @@ def trace_slice() -> list[TraceRequest]:
     return [TraceRequest(i * 0.15, 300 + 97 * (i % 11), 40 + 23 * (i % 9)) for i in range(250)]
 
 
+def jittered(trace: list[TraceRequest], seed: int, jitter_s: float = 0.005) -> list[TraceRequest]:
+    """The trace with every arrival moved by up to a few milliseconds, as a real client and its
+    HTTP stack move them."""
+    rng = random.Random(seed)
+    moved = (replace(r, arrival_s=max(0.0, r.arrival_s + rng.uniform(-jitter_s, jitter_s))) for r in trace)
+    return sorted(moved, key=lambda r: r.arrival_s)
+
+
 @pytest.mark.parametrize("policy", ["adaptive", "least-loaded"])
 async def test_replay_through_the_gateway_agrees_with_the_offline_simulator(
     policy: str, sim_factory: Callable[..., SimProcess], tmp_path: Path
@@ -37,6 +48,10 @@ async def test_replay_through_the_gateway_agrees_with_the_offline_simulator(
     slo_ttft_ms, slo_tpot_ms = 2000.0, 60.0
     scenario = Scenario(A100_CODELLAMA_34B, Fleetspec(1, 1), policy, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
     offline = simulate(trace, scenario).summary()
+    # A policy's attainment on one trace is a distribution, not a number: a few milliseconds of
+    # timing moved least-loaded's offline attainment from 0.68 to 0.77 (its ties, broken by load
+    # scraped a moment earlier, cascade), the adaptive policy's from 0.89 to 0.92.
+    spread = [simulate(jittered(trace, seed), scenario).summary()["slo_attainment"] for seed in range(8)]
 
     args = ("--model", "m", "--time-scale", f"{TIME_SCALE:g}")
     spec, plain = sim_factory("--mode", "speculative", *args), sim_factory("--mode", "plain", *args)
@@ -62,13 +77,14 @@ async def test_replay_through_the_gateway_agrees_with_the_offline_simulator(
         await launch.terminate(gateway)
     online = result.summary()
 
-    both = f"offline {offline}, online {online}"
+    both = f"offline {offline} (under timing noise: {spread}), online {online}"
     assert 0.2 < offline["slo_attainment"] < 0.95, both  # a load where routing matters
     assert failed == 0
     assert online["requests"] == offline["requests"] == len(trace)
-    # 250 requests near their SLOs: the sampling error alone is about 3 points, and the real
-    # system adds HTTP and relay delays the simulator does not model (measured: 0.900 online
-    # against 0.908 offline for adaptive, 0.74 against 0.768 for least-loaded). Three standard errors:
-    assert online["slo_attainment"] == pytest.approx(offline["slo_attainment"], abs=0.08), both
+    # Online within three of the simulator's own standard deviations under timing noise, and 4
+    # points for the HTTP and relay delays it does not model (measured online: adaptive 0.900 to
+    # 0.916 against 0.908 offline; least-loaded 0.728 to 0.812 against 0.728).
+    tolerance = 0.04 + 3 * statistics.stdev(spread)
+    assert online["slo_attainment"] == pytest.approx(statistics.median(spread), abs=tolerance), both
     assert online["spec_share"] == pytest.approx(offline["spec_share"], abs=0.12), both
     assert online["tpot_p50_ms"] == pytest.approx(offline["tpot_p50_ms"], rel=0.12), both
