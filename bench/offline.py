@@ -27,7 +27,7 @@ from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
 from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import PROFILES, Profile
-from specgate.gateway.advisor import DailyRates, Governor, good_tokens_by_split, plan_horizon_s, recommend
+from specgate.gateway.advisor import DailyRates, Governor, good_tokens_by_split, recommend
 from specgate.policies.admission import QUEUE_FULL, REVIEW_INTERVAL_S, AdmissionQueue
 from specgate.policies.decision import Decision, Hold, Shed, Verdict
 from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, Switching, parse
@@ -476,10 +476,11 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         window = list(trace[first:last])
         if moving is not None or len(window) < switchover.min_requests:
             return
-        growth = daily.growth(now, switchover.window_s, plan_horizon_s(switchover.rules, switchover.interval_s))
+        replicas = len(fleet.replicas)
+        horizon_s = governor.horizon_s(switchover.rules, switchover.interval_s, replicas)
+        growth = daily.growth(now, switchover.window_s, horizon_s)
         if growth is not None:
             window = [dataclasses.replace(r, arrival_s=r.arrival_s / growth) for r in window]
-        replicas = len(fleet.replicas)
         current = sum(r.pool is Pool.SPECULATIVE for r in fleet.replicas.values())
         splits = []
         for spec in range(replicas + 1):

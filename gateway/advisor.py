@@ -152,12 +152,6 @@ def split_gain(good_tokens: Mapping[int, float], target: int, current: int) -> f
     return math.inf if then > 0 else 0.0
 
 
-def plan_horizon_s(rules: Switching, interval_s: float) -> float:
-    """How long a move decided now stands at least: until `confirmations` more plans, an interval
-    apart, can undo it. The plans are made on the rate expected over that long."""
-    return max(rules.confirmations, 1) * interval_s
-
-
 class TrafficWindow:
     """The requests answered over the last `window_s`, at most `max_requests` of them, and the
     arrivals of the last two days (`daily`)."""
@@ -247,6 +241,17 @@ class Governor:
     confirming each move anew made the fleet a phase late for every phase of a day)."""
     direction: int = 0
     moved_at: float = -math.inf
+    """When the last move began."""
+    moves_s: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+    """How long the last moves took, from the drain to serving in the other pool."""
+
+    def horizon_s(self, rules: Switching, interval_s: float, replicas: int) -> float:
+        """How far ahead a plan made now looks: the moves it starts take up to one per server, a
+        server at a time, as long as the recent moves took (none known: no time), and the split they
+        reach stands until `confirmations` more plans, an interval apart, can undo it. The plans
+        are made on the rate expected over that long."""
+        move_s = sum(self.moves_s) / len(self.moves_s) if self.moves_s else 0.0
+        return replicas * move_s + max(rules.confirmations, 1) * interval_s
 
     def move(
         self,
@@ -272,6 +277,8 @@ class Governor:
         took 80 minutes of a day to turn all plain for a peak its plans had seen coming."""
         step = _wanted(rules, good_tokens, recommended, current, replicas)
         if after_move:
+            if math.isfinite(self.moved_at):
+                self.moves_s.append(now - self.moved_at)
             step = step if step == self.direction and self.streak >= rules.confirmations else 0
             if step:
                 self.moved_at = now
@@ -345,9 +352,9 @@ class Advisor:
         if len(seen) < self.settings.min_requests or slo is None:
             return None
         # At the rate this time of day brought over the move's horizon yesterday, if there was one.
-        horizon_s = plan_horizon_s(self.rules(), self.settings.interval_s)
-        growth = self.window.daily.growth(now, self.settings.window_s, horizon_s)
         spec, plain = self.fleet_split()
+        horizon_s = self.governor.horizon_s(self.rules(), self.settings.interval_s, spec + plain)
+        growth = self.window.daily.growth(now, self.settings.window_s, horizon_s)
         profile = self.profile()
         if profile in PROFILES:
             which = ["--profile", profile]

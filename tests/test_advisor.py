@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import time
@@ -156,6 +157,7 @@ async def test_the_advisor_switches_a_server_when_its_plans_agree() -> None:
 
     async def mover(step: int) -> None:
         moves.append(step)
+        await asyncio.sleep(0.05)  # a drain and a restart
 
     advisor = Advisor(settings, lambda: (1, 3), lambda: A100_CODELLAMA_34B.name, PROFILES,
                       lambda: msgspec.structs.replace(RULES, cooldown_ms=0), mover)  # fmt: skip
@@ -169,6 +171,8 @@ async def test_the_advisor_switches_a_server_when_its_plans_agree() -> None:
     await advisor.plan_once()
     # 1 + 3 to 3 + 1 (one plain server kept): a server at a time, the second as the first is back
     assert moves == [1, 1], [(s["speculative"], s["slo_attainment"]) for s in first.splits]
+    assert len(advisor.governor.moves_s) == 2
+    assert all(0.05 <= s < 5.0 for s in advisor.governor.moves_s)  # the next plans look further ahead by them
     off = Advisor(settings, lambda: (1, 3), lambda: A100_CODELLAMA_34B.name, PROFILES, Switching, mover)
     off.window, off.governor = advisor.window, Governor(streak=1, direction=1)  # one plan from a move
     await off.plan_once()
@@ -220,6 +224,20 @@ def test_once_a_direction_is_confirmed_the_next_server_moves_as_the_last_is_back
     ]
     assert g.move(rules, plain_wins, 0, 1, 4, now=120.0) == 0  # the cooldown still spaces the plans' moves
     assert g.move(rules, {**plain_wins, 0: 855.0}, 0, 1, 4, now=121.0, after_move=True) == 0  # not worth min_gain
+
+
+def test_plans_look_ahead_as_long_as_the_moves_take() -> None:
+    """A plan made now stands until two more can undo it, and the moves it starts come first: up
+    to one per server, as long as the last moves took from their drain to serving again."""
+    plain_wins = {0: 900.0, 1: 850.0, 2: 800.0, 3: 750.0, 4: 700.0}
+    rules = msgspec.structs.replace(RULES, min_per_pool=0)
+    g = Governor()
+    assert g.horizon_s(rules, 60.0, 4) == 120.0  # no move seen: nothing known of their time
+    assert [g.move(rules, plain_wins, 0, 4, 4, now=t) for t in (0.0, 100.0)] == [0, -1]
+    assert g.move(rules, plain_wins, 0, 3, 4, now=130.0, after_move=True) == -1
+    assert g.move(rules, plain_wins, 0, 2, 4, now=150.0, after_move=True) == -1
+    assert g.horizon_s(rules, 60.0, 4) == 4 * 25.0 + 120.0  # moves of 30 and 20 s
+    assert g.horizon_s(rules, 60.0, 8) == 8 * 25.0 + 120.0
 
 
 def test_the_governor_crosses_a_valley_toward_the_better_end() -> None:
