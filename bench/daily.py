@@ -4,7 +4,8 @@ advisor does (the policy document's `switching`: plans on the recent traffic, at
 day before's same minutes say comes next unless `--no-yesterday`, the `Governor`'s hysteresis, a
 server drained, restarted for `--restart-min` serving nothing, re-admitted in the other pool),
 from `--starts` at dawn and, where that fleet ends the day in another split, again from the split
-it ended in (a fleet that switches every day begins each as the last ended). All in the offline
+it ended in, its advisor knowing how long those moves took (a fleet that switches every day
+begins each as the last ended). All in the offline
 simulator, side by side in one run, every core used.
 
 The day: the conversation trace's requests arriving along `bench/shapes.py`'s `ramp` (from 0.15 to
@@ -66,14 +67,15 @@ class Day:
         trace = scaled(read_trace(self.trace, self.requests), self.rate_scale)
         return arrivals(trace, "ramp", self.seed if seed is None else seed)
 
-    def switchover(self, span_s: float) -> Switchover:
-        """The advisor's timings, from minutes of the day to seconds of the run."""
+    def switchover(self, span_s: float, moves_s: tuple[float, ...] = ()) -> Switchover:
+        """The advisor's timings, from minutes of the day to seconds of the run; `moves_s`: how long
+        its moves of the day before took."""
         s = span_s / (24 * 60)
         rules = Switching(enabled=True, min_per_pool=0, confirmations=self.confirmations, min_gain=self.min_gain,
                           cooldown_ms=self.interval_min * s * 1e3)  # fmt: skip
         history = [r.arrival_s - span_s for r in self.requests_of_the_day(self.seed + 1)] if self.yesterday else []
         return Switchover(rules, self.interval_min * s, self.window_min * s, self.restart_min * s, min_requests=50,
-                          history=tuple(history), period_s=span_s)  # fmt: skip
+                          history=tuple(history), period_s=span_s, moves_s=moves_s)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ class Job:
     switching: bool
     next_day: bool = False
     """A switching fleet's second day: it starts as its first ended."""
+    moves_s: tuple[float, ...] = ()
+    """How long the moves of the switching fleet's day before took (its advisor remembers them)."""
 
 
 def run(job: Job) -> dict[str, Any]:
@@ -92,7 +96,7 @@ def run(job: Job) -> dict[str, Any]:
     fleet = Fleetspec(job.speculative, day.replicas - job.speculative)
     scenario = Scenario(
         PROFILES[day.profile], fleet, "adaptive", day.slo_ttft_ms, day.slo_tpot_ms, seed=day.seed,
-        switching=day.switchover(trace[-1].arrival_s) if job.switching else None,
+        switching=day.switchover(trace[-1].arrival_s, job.moves_s) if job.switching else None,
     )  # fmt: skip
     result = simulate(trace, scenario)
     label = fleet.label
@@ -149,18 +153,24 @@ def ended_with(row: dict[str, Any]) -> int:
     return speculative_at(row, math.inf)
 
 
+def move_times(row: dict[str, Any]) -> tuple[float, ...]:
+    """How long each of the switching fleet's moves took, from its drain to serving again."""
+    return tuple(s["serving_s"] - s["drained_s"] for s in row["switches"])
+
+
 def run_day(day: Day, starts: Sequence[int], jobs: int) -> dict[str, Any]:
     """Every fixed split and a switching fleet from each of `starts` at dawn; and, where a switching
-    fleet ends its day in another split than it began, its next day, begun as it ended (a fleet that
-    switches every day starts each as the last ended: its steady state)."""
+    fleet ends its day in another split than it began, its next day, begun as it ended, its advisor
+    knowing how long its moves took (a fleet that switches every day starts each as the last ended:
+    its steady state)."""
     trace = day.requests_of_the_day()
     span = trace[-1].arrival_s - trace[0].arrival_s
     with ProcessPoolExecutor(max(min(jobs, day.replicas + 1 + len(starts)), 1)) as pool:
         first_days = [pool.submit(run, Job(day, k, True)) for k in starts]  # the longest runs first
         fixed_runs = [pool.submit(run, Job(day, k, False)) for k in range(day.replicas + 1)]
         switching = [f.result() for f in first_days]
-        next_days = [pool.submit(run, Job(day, ended_with(r), True, next_day=True)) for r in switching
-                     if ended_with(r) != r["speculative"]]  # fmt: skip
+        next_days = [pool.submit(run, Job(day, ended_with(r), True, next_day=True, moves_s=move_times(r)))
+                     for r in switching if ended_with(r) != r["speculative"]]  # fmt: skip
         rows = [f.result() for f in fixed_runs] + switching + [f.result() for f in next_days]
     rate = [0] * HOURS
     for request in trace:

@@ -82,6 +82,9 @@ class Switchover:
     the window's requests at the rate the same minutes one period ago say comes next
     (`DailyRates.growth`), as the live advisor does from its second day."""
     period_s: float = 86_400.0
+    moves_s: tuple[float, ...] = ()
+    """How long the advisor's moves before the run took (`Governor.moves_s`): a gateway that
+    switched the day before remembers them, and plans ahead by them from its first plan."""
 
 
 @dataclass(frozen=True)
@@ -451,6 +454,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     # --- switching servers between the pools, as the advisor would -------------------------------
     switchover = scenario.switching
     governor = Governor()
+    governor.moves_s.extend(switchover.moves_s if switchover is not None else ())
     placement: dict[str, Pool] = {}
     """Servers, by URL, serving in a pool other than their first."""
     moving: _Move | None = None

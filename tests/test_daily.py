@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from specgate.bench.daily import ended_with, hourly
+from specgate.bench.daily import ended_with, hourly, move_times
 from specgate.bench.offline import RunResult, Served
 from specgate.calibration.modes import Pool
 from specgate.policies.features import SloTargets
@@ -32,3 +32,4 @@ def test_a_switching_fleet_ends_its_day_where_its_moves_took_it() -> None:
     ]
     assert ended_with({"speculative": 2, "switches": moves}) == 4
     assert ended_with({"speculative": 1, "switches": []}) == 1
+    assert move_times({"speculative": 2, "switches": moves}) == (5.0,) * 4  # what its next day plans ahead by
