@@ -217,6 +217,8 @@ class Advice:
     splits: list[dict[str, Any]] = field(default_factory=list)
     growth: float | None = None
     """The rate planned on, as a multiple of the window's (`DailyRates.growth`); None: as it was."""
+    horizon_s: float = 0.0
+    """How far ahead that rate was looked for (`Governor.horizon_s`)."""
 
     def view(self) -> dict[str, object]:
         """As GET /admin/fleet shows it."""
@@ -227,7 +229,7 @@ class Advice:
             "predicted_gain": self.gain, "requests": self.requests, "slo_ttft_ms": self.slo[0],
             "slo_tpot_ms": self.slo[1], "profile": self.profile, "planned_at": self.planned_at,
             "attainment_by_speculative_replicas": attainment, "good_tokens_per_s_by_speculative_replicas": good_tokens,
-            "rate_growth": self.growth,
+            "rate_growth": self.growth, "plan_horizon_s": self.horizon_s,
         }  # fmt: skip
 
 
@@ -387,7 +389,7 @@ class Advisor:
         recommended = int(results["recommended"])
         advice = Advice(
             recommended, spec, split_gain(good_tokens, recommended, spec), len(seen), slo, profile, time.time(),
-            splits, growth,
+            splits, growth, horizon_s,
         )  # fmt: skip
         if self.advice is None or self.advice.recommended != recommended:
             _log.info(

@@ -204,6 +204,7 @@ async def test_the_advisor_plans_on_the_rate_yesterday_brought_next() -> None:
     assert plain.growth is None
     assert grown.growth == pytest.approx(3.0, rel=0.15)  # counted by the minute: a minute's smear
     assert grown.view()["rate_growth"] == grown.growth
+    assert grown.view()["plan_horizon_s"] == 240.0  # two intervals; no move made yet
     for at_pace, faster in zip(plain.splits, grown.splits, strict=True):
         assert faster["slo_attainment"] < at_pace["slo_attainment"]
 
