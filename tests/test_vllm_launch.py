@@ -1,8 +1,11 @@
 """The [launch] section: vLLM command lines, the speculative config, and flags vLLM removed or never had."""
 
+import asyncio
 import json
 import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,7 @@ from specgate.cli import main
 from specgate.gateway.config import ConfigError, load_settings, parse_settings
 from specgate.testing import cpu_dtype
 from specgate.workers import launch
-from specgate.workers.vllm_launch import LaunchConfigError, parse_launch, start
+from specgate.workers.vllm_launch import LaunchConfigError, parse_launch, records, start, stop, stop_recorded
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 LAUNCH: dict[str, Any] = {
@@ -135,6 +138,33 @@ def test_a_server_pinned_to_cpus_it_may_not_use_is_refused_before_anything_start
     with pytest.raises(launch.LaunchError, match=rf"plain-0: cpus \[{missing}\] are not all CPUs"):
         start(plan)
     assert not (tmp_path / "logs").exists()  # nothing started, not even the speculative server
+
+
+def test_each_server_has_a_temporary_directory_of_its_own_removed_when_it_stops(tmp_path: Path) -> None:
+    """vLLM leaves its sockets and rendezvous files in the temporary directory; they must not
+    outlive the servers, whether stopped by whoever started them or by `pools down`."""
+    python = tmp_path / "python"  # stands in for vLLM's interpreter: leaves a socket's file, then serves
+    python.write_text('#!/bin/sh\ntouch "$TMPDIR/0b7a1d5e-socket"\nsleep 60 &\nwait\n')
+    python.chmod(0o755)
+    doc = with_("python", str(python)) | {"log_dir": str(tmp_path / "logs")}
+    for detach in (False, True):
+        running = start(parse_launch(doc, tmp_path), detach=detach)
+        try:
+            tmps = [server.tmp for server in running]
+            assert all(t is not None and t.parent == Path(tempfile.gettempdir()) for t in tmps)
+            assert len(set(tmps)) == len(running)
+            deadline = time.monotonic() + 10
+            while not all((t / "0b7a1d5e-socket").exists() for t in tmps if t) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert all((t / "0b7a1d5e-socket").exists() for t in tmps if t)
+            if detach:
+                assert [r.tmp for r in records(tmp_path / "logs")] == [str(t) for t in tmps]
+                assert sorted(asyncio.run(stop_recorded(tmp_path / "logs", grace_s=5))) == ["plain-0", "spec-0"]
+            else:
+                asyncio.run(stop(running, grace_s=5))
+            assert not any(t.exists() for t in tmps if t), detach
+        finally:
+            asyncio.run(stop(running, grace_s=1))
 
 
 def test_the_gateway_routes_to_the_launched_servers_when_no_pools_are_given() -> None:

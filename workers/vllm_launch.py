@@ -33,8 +33,10 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -258,6 +260,23 @@ class Running:
     spec: ServerSpec
     proc: subprocess.Popen[bytes]
     log: Path
+    tmp: Path | None = None
+    """Its temporary directory (`_spawn`), removed when it stops."""
+
+
+def _spawn(spec: ServerSpec, log: Path, *, detach: bool) -> Running:
+    """Start a server with a temporary directory of its own: vLLM leaves files there that outlive
+    it (the sockets between its processes, its distributed setup's rendezvous file), which go with
+    the directory when the server stops. In the system's temporary directory, its path short: a
+    socket's must fit in 107 bytes."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"specgate-{spec.name}-"))
+    env = {"HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp), **spec.env}
+    return Running(spec, launch.spawn(spec.argv(), log, env=env, detach=detach, cpus=spec.cpus), log, tmp)
+
+
+def _remove_tmp(tmp: Path | str | None) -> None:
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def start(plan: LaunchPlan, *, detach: bool = False) -> list[Running]:
@@ -270,10 +289,7 @@ def start(plan: LaunchPlan, *, detach: bool = False) -> list[Running]:
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     running = []
     for spec in plan.servers:
-        log = plan.log_dir / f"{spec.name}.log"
-        env = {"HF_HUB_OFFLINE": "1", **spec.env}
-        proc = launch.spawn(spec.argv(), log, env=env, detach=detach, cpus=spec.cpus)
-        running.append(Running(spec, proc, log))
+        running.append(_spawn(spec, plan.log_dir / f"{spec.name}.log", detach=detach))
     if detach:
         write_records(plan.log_dir, [Record.of(r) for r in running])
     return running
@@ -289,11 +305,13 @@ class Record:
     log: str
     pool: Pool
     """The mode it runs in now, which `pools switch` may have changed from its configured pool."""
+    tmp: str = ""
+    """Its temporary directory, removed when it is stopped or restarted."""
 
     @classmethod
     def of(cls, server: Running) -> Record:
         pool = Pool.SPECULATIVE if server.spec.speculative_config is not None else Pool.PLAIN
-        return cls(server.spec.name, server.proc.pid, server.spec.url, str(server.log), pool)
+        return cls(server.spec.name, server.proc.pid, server.spec.url, str(server.log), pool, str(server.tmp or ""))
 
 
 def records(log_dir: Path) -> list[Record]:
@@ -311,6 +329,7 @@ def records(log_dir: Path) -> list[Record]:
             e["url"],
             e["log"],
             Pool(e.get("pool") or configured[e["name"].startswith("spec-")]),
+            e.get("tmp", ""),
         )
         for e in entries
     ]
@@ -361,13 +380,13 @@ async def _until(done: Callable[[], bool], deadline: float) -> None:
 
 
 def restart(plan: LaunchPlan, spec: ServerSpec, record: Record) -> Running:
-    """Start `spec` (a recorded server in its new mode) detached, as `record`'s successor in the
-    record; the old log is kept beside the new one."""
+    """Start `spec` (a recorded server in its new mode, the old one stopped) detached, as
+    `record`'s successor in the record; the old log is kept beside the new one."""
     log = plan.log_dir / f"{spec.name}.log"
     if log.exists():
         log.replace(log.with_suffix(".log.1"))
-    env = {"HF_HUB_OFFLINE": "1", **spec.env}
-    server = Running(spec, launch.spawn(spec.argv(), log, env=env, detach=True, cpus=spec.cpus), log)
+    _remove_tmp(record.tmp)
+    server = _spawn(spec, log, detach=True)
     write_records(plan.log_dir, [Record.of(server) if r.name == record.name else r for r in records(plan.log_dir)])
     return server
 
@@ -391,6 +410,8 @@ async def wait_healthy(server: Running, timeout_s: float, session: aiohttp.Clien
 
 async def stop(servers: Sequence[Running], grace_s: float = 30.0) -> None:
     await asyncio.gather(*(launch.terminate(s.proc, grace_s) for s in servers))
+    for server in servers:
+        _remove_tmp(server.tmp)
 
 
 def alive(pid: int) -> bool:
@@ -408,7 +429,10 @@ async def stop_recorded(log_dir: Path, grace_s: float = 30.0) -> list[str]:
     if not state.exists():
         return []
     # Not one gone already, or whose pid was reused by something else: not ours to kill.
-    stopped = [entry for entry in records(log_dir) if ours(entry.pid)]
+    entries = records(log_dir)
+    stopped = [entry for entry in entries if ours(entry.pid)]
     await asyncio.gather(*(stop_group(entry.pid, grace_s) for entry in stopped))
+    for entry in entries:
+        _remove_tmp(entry.tmp)
     state.unlink()
     return [entry.name for entry in stopped]
