@@ -1,16 +1,20 @@
 """The adaptive policy: per request, the pool and replica most likely to meet its SLOs.
 
 For every healthy replica the latency model predicts this request's TTFT, TPOT and the harm its
-joining does to the requests already there. Replicas predicted to meet both SLOs are kept; among
-them the one with the best predicted completion (plus the weighted harm) wins. When none can meet
-them, the request is refused with a hint of when to retry if shedding is on and its priority is
-below the shedding line (and refused outright when no replica could meet them even idle, once the
-predictions that say so have been seen measured often enough to be trusted); otherwise it is served
-best-effort where it costs the other requests' SLOs least: on a replica whose requests are already
-late, else on the least-violating one. Under overload this keeps the replicas that still meet their
-SLOs meeting them, rather than spreading the overload until every replica misses. A small,
-deterministic share of requests goes to the best feasible replica of the other pool, so the
-fitted step costs of the pool that is chosen less keep learning.
+joining does to the requests already there. What a replica is worth is the request's chance of
+meeting both SLOs there, less the SLOs of the requests already there that its joining is expected
+to cost (a replica at the edge of its TPOT target gains nothing by taking one more request that
+pushes two others past it). Replicas worth an even chance are kept; among them the one with the
+best predicted completion (plus the weighted harm) wins. When none is, the request is refused with
+a hint of when to retry if shedding is on and its priority is below the shedding line (and refused
+outright when no replica could meet its SLOs even idle, once the predictions that say so have been
+seen measured often enough to be trusted); otherwise it waits in the gateway's admission queue
+while a replica may soon offer more, and past saving it is served best-effort where it costs the
+other requests' SLOs least: on a replica whose requests are already late, else on the
+least-violating one. Under overload this keeps the replicas that still meet their SLOs meeting
+them, rather than spreading the overload until every replica misses. A small, deterministic share
+of requests goes to the best feasible replica of the other pool, so the fitted step costs of the
+pool that is chosen less keep learning.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Replicas whose chance is within this of the best compete on completion and harm."""
     min_checked: Annotated[int, Meta(ge=0, le=100_000)] = 20
     """Predictions a pool must have seen measured before they may refuse a request as out of reach."""
+    crowding_weight: Annotated[float, Meta(ge=0, le=100)] = 1.0
+    """How much the SLOs a request's joining is expected to cost the requests already on a replica
+    count against its own chance there (0: not at all)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,8 @@ class _Option:
     chance: float
     """Predicted probability that the request meets both of its SLOs on this replica."""
     score: float
+    worth: float
+    """Its chance, less the weighted SLOs its joining is expected to cost the requests already there."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,12 @@ class Adaptive:
         for replica in snapshot.healthy():
             p = self.model.predict(replica, features)
             score = (p.completion_ms(output) + self.params.harm_weight * p.harm_ms) / replica.weight
-            options.append(_Option(replica, p, self.chance(p, ttft_ms, features.slo_tpot_ms), score))
+            chance = self.chance(p, ttft_ms, features.slo_tpot_ms)
+            worth = chance
+            # (Sure to meet, it costs the others nothing; out of reach, it is not placed for its worth.)
+            if 0.0 < chance < 1.0 and features.slo_tpot_ms is not None and self.params.crowding_weight:
+                worth -= self.params.crowding_weight * self.model.crowding_loss(p, features.slo_tpot_ms)
+            options.append(_Option(replica, p, chance, score, worth))
         return options
 
     def decide(self, features: RequestFeatures, snapshot: Snapshot) -> Verdict:
@@ -98,9 +112,9 @@ class Adaptive:
         if features.slo_ttft_ms is None and features.slo_tpot_ms is None:
             best = min(options, key=lambda o: o.score)
             return self._decision(best, "fastest")
-        top = max(o.chance for o in options)
+        top = max(o.worth for o in options)
         if top >= self.params.min_chance:
-            contenders = [o for o in options if o.chance >= top - self.params.tolerance]
+            contenders = [o for o in options if o.worth >= top - self.params.tolerance]
             best, reason = min(contenders, key=lambda o: o.score), "meets-slo"
             if self._explores(features.sequence):
                 others = [o for o in contenders if o.replica.pool is not best.replica.pool]
@@ -119,8 +133,8 @@ class Adaptive:
         if reachable > 0:
             # Waiting pays only while a replica could offer more than the best one offers now:
             # when even an idle one offers a long shot, the best long shot now is as good.
-            best = max(options, key=lambda o: (o.chance, -o.score))
-            if best.chance > 0 and best.chance >= min(self.params.min_chance, reachable) * (1 - self.params.tolerance):
+            best = max(options, key=lambda o: (o.worth, -o.score))
+            if best.worth > 0 and best.worth >= min(self.params.min_chance, reachable) * (1 - self.params.tolerance):
                 return self._decision(best, "best-chance")
             return Hold("queued")  # one may soon: wait in the gateway, not in a replica's queue
         if not features.waited_ms and admission.refuse_infeasible:

@@ -21,6 +21,9 @@ one that ends):
 - Harm: what joining costs the B requests already there: the steps that prefill this prompt stall
   all of them, and every later step is slower by the rise in step time from B to B + 1, for as
   many steps as this request stays; summed over the B requests.
+- Crowding: the SLOs of those B requests its joining is expected to cost (`crowding_loss`), each
+  taken to be like it: their chance of meeting its TPOT target at batch B, less their chance at
+  B + 1 with its prefill stalling them once.
 
 Each step is priced as the profile's fixed, decode and prefill parts, each scaled by what the
 pool's measured answers show (`workers/latency_fit.py`), and TTFT adds the time before the first
@@ -32,7 +35,7 @@ pool's answers. The prediction carries its terms, for the fit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from specgate.calibration.costs import Batch
@@ -59,6 +62,9 @@ def _scaled(a: Vector, factor: float) -> Vector:
 MAX_PREFILL_SHARE = 0.9
 STEP_SPREAD = 0.03
 """Relative spread of a request's stall-free TPOT that the batch and contexts alone cause."""
+OVERLAP = 0.5
+"""Of a decoding request's life, the share still ahead of it when another joins its batch, on
+average: the part of its TPOT that the newcomer's slower steps weigh on."""
 OUTPUT_SPREAD = 1.0
 """Spread (log-normal sigma) of an output length that is estimated, not given by the client: the
 Azure traces' lengths spread about so around their mean for a prompt size (0.99 conversation, 1.24
@@ -93,6 +99,10 @@ class Prediction:
     max_output_tokens: int | None = None
     output_tokens: int = 1
     """The output length the prediction assumed."""
+    batch: int = 0
+    """The requests it would decode beside."""
+    crowding_ms: float = 0.0
+    """What its joining adds to the stall-free TPOT of each of them while it stays."""
 
     def completion_ms(self, output_tokens: int) -> float:
         return self.ttft_ms + max(output_tokens - 1, 0) * self.tpot_ms
@@ -270,6 +280,8 @@ class LatencyModel:
             max_output_tokens=features.max_tokens,
             output_tokens=output,
             terms=priced,
+            batch=running,
+            crowding_ms=max(joined_ms - decode_ms, 0.0) / tokens_per_step * factor,
         )
 
     @cached_property
@@ -311,6 +323,26 @@ class LatencyModel:
                 allowed = int(room_ms // prediction.stall_ms) if prediction.stall_ms > 0 else None
                 chance += output_weight * weight * (1.0 if allowed is None else _poisson_cdf(allowed, stalls))
         return min(chance, 1.0)
+
+    def crowding_loss(self, prediction: Prediction, slo_tpot_ms: float) -> float:
+        """How many of the requests it would decode beside are expected to miss a TPOT target of
+        `slo_tpot_ms` because it joined them, each taken to be like it (the same target, length
+        and stalls): its steps slow theirs for about `OVERLAP` of their lives, and its prefill
+        stalls them once. Nothing where they meet the target either way, or miss it either way.
+
+        The chance is a sum of steps in the stall-free TPOT (three points of its spread), and a
+        newcomer moves that TPOT by far less than a step's width: it is priced by the chance's
+        mean slope over the width of the spread, not by whether it crosses a step."""
+        if not prediction.batch:
+            return 0.0
+        tpot = prediction.decode_tpot_ms
+        span = max(tpot * max(prediction.spread, STEP_SPREAD) * math.sqrt(3), 1e-3)
+        faster = self.tpot_met_probability(replace(prediction, decode_tpot_ms=max(tpot - span, 0.0)), slo_tpot_ms)
+        slower = self.tpot_met_probability(replace(prediction, decode_tpot_ms=tpot + span), slo_tpot_ms)
+        slowed = (faster - slower) / (2 * span) * prediction.crowding_ms * OVERLAP
+        fewer = replace(prediction, stalls=max(prediction.stalls - 1.0, 0.0))
+        stalled = self.tpot_met_probability(fewer, slo_tpot_ms) - self.tpot_met_probability(prediction, slo_tpot_ms)
+        return prediction.batch * max(slowed + stalled, 0.0)
 
     @staticmethod
     def _outputs(prediction: Prediction) -> list[tuple[int, float]]:

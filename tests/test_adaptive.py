@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import A100_CODELLAMA_34B
-from specgate.policies.adaptive import Adaptive
+from specgate.policies.adaptive import Adaptive, AdaptiveParams
 from specgate.policies.admission import Admission
 from specgate.policies.decision import Decision, Hold, Shed, Shedding
 from specgate.policies.features import RequestFeatures
@@ -124,6 +124,21 @@ def test_a_request_past_its_ttft_target_is_served_best_effort_only_where_it_dela
     assert Adaptive(MODEL).decide(waited, ALL_SLOW) == Hold("best-effort")
 
 
+def test_a_replica_at_the_edge_of_its_tpot_target_takes_no_request_that_costs_the_others_theirs() -> None:
+    """40 requests decode at 43 ms a token on plain-0 against a 45 ms target: one more has a 5 in 6
+    chance there, but slows the 40 towards the target. Counted, that is worth waiting for; far
+    from the edge, or with the crowding not counted, it is served at once."""
+    edge = replace(FEATURES, slo_tpot_ms=45.0)
+    crowded = Snapshot((state("plain-0", Pool.PLAIN, 40),))
+    assert Adaptive(MODEL, exploration=0.0).decide(edge, crowded) == Hold("queued")
+    blind = Adaptive(MODEL, AdaptiveParams(crowding_weight=0.0), exploration=0.0).decide(edge, crowded)
+    assert isinstance(blind, Decision)
+    assert blind.reason == "meets-slo"
+    roomy = Adaptive(MODEL, exploration=0.0).decide(edge, Snapshot((state("plain-0", Pool.PLAIN, 20),)))
+    assert isinstance(roomy, Decision)
+    assert roomy.reason == "meets-slo"
+
+
 def test_exploration_sends_the_configured_share_to_the_other_pool() -> None:
     policy = Adaptive(MODEL, exploration=0.1)
     reasons = [policy.decide(replace(FEATURES, sequence=i), IDLE) for i in range(1000)]
@@ -144,7 +159,7 @@ def test_shedding_only_when_enabled_and_priority_allows(priority: int, shed: boo
     ("params", "field"),
     [({"exploration": 0.1}, "params.exploration"), ({"harm_weight": -1}, "params.harm_weight"),
      ({"shed": True}, "params.shed"), ({"slo_margin": "high"}, "params.slo_margin"),
-     ({"tolerance": 2}, "params.tolerance")],
+     ({"tolerance": 2}, "params.tolerance"), ({"crowding_weight": -0.5}, "params.crowding_weight")],
 )  # fmt: skip
 def test_bad_adaptive_parameters(params: dict[str, object], field: str) -> None:
     with pytest.raises(Invalid) as exc:

@@ -77,6 +77,21 @@ def test_tpot_met_probability(slo: float, stall_rate: float, low: float, high: f
     assert low <= model.tpot_met_probability(p, slo) <= high
 
 
+def test_the_slos_a_newcomer_costs_the_batch_it_joins_grow_with_the_batch_and_nearing_the_target() -> None:
+    """Nothing on an empty replica, nothing where the batch meets its target either way or misses
+    it either way; in between, more the more requests it slows and the nearer they are to it."""
+    model = LatencyModel(A100_CODELLAMA_34B)
+
+    def loss(in_flight: int, slo_tpot_ms: float) -> float:
+        return model.crowding_loss(model.predict(idle(Pool.PLAIN, in_flight=in_flight), FEATURES), slo_tpot_ms)
+
+    assert loss(0, 45.0) == 0.0
+    assert loss(8, 100.0) == 0.0
+    assert loss(8, 30.0) == 0.0
+    assert 0.0 < loss(24, 45.0) < loss(40, 45.0) < loss(48, 45.0)
+    assert loss(40, 45.0) > 10 * loss(40, 50.0)
+
+
 @pytest.mark.parametrize("pool", list(Pool))
 def test_a_prediction_is_the_sum_of_its_scaled_terms(pool: Pool) -> None:
     """The terms a prediction hands to the fit are the prediction, at any scales (and times the
