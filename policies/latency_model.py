@@ -22,8 +22,8 @@ one that ends):
   all of them, and every later step is slower by the rise in step time from B to B + 1, for as
   many steps as this request stays; summed over the B requests.
 - Crowding: the SLOs of those B requests its joining is expected to cost (`crowding_loss`), each
-  taken to be like it: their chance of meeting its TPOT target at batch B, less their chance at
-  B + 1 with its prefill stalling them once.
+  taken to be like it: what its slower steps over half of their remaining lives, and its prefill's
+  one stall, take from their chance of meeting its TPOT target.
 
 Each step is priced as the profile's fixed, decode and prefill parts, each scaled by what the
 pool's measured answers show (`workers/latency_fit.py`), and TTFT adds the time before the first

@@ -16,7 +16,16 @@ from specgate.cli import main
 from specgate.gateway.config import ConfigError, load_settings, parse_settings
 from specgate.testing import cpu_dtype
 from specgate.workers import launch
-from specgate.workers.vllm_launch import LaunchConfigError, parse_launch, records, start, stop, stop_recorded
+from specgate.workers.vllm_launch import (
+    LaunchConfigError,
+    Record,
+    parse_launch,
+    records,
+    start,
+    stop,
+    stop_recorded,
+    write_records,
+)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 LAUNCH: dict[str, Any] = {
@@ -165,6 +174,13 @@ def test_each_server_has_a_temporary_directory_of_its_own_removed_when_it_stops(
             assert not any(t.exists() for t in tmps if t), detach
         finally:
             asyncio.run(stop(running, grace_s=1))
+    # A record names its directory; one that names any other is not the server's to remove.
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    gone = running[0].proc.pid  # stopped above
+    write_records(tmp_path / "logs", [Record("plain-0", gone, "http://127.0.0.1:1", "log", Pool.PLAIN, str(kept))])
+    assert asyncio.run(stop_recorded(tmp_path / "logs", grace_s=1)) == []
+    assert kept.exists()
 
 
 def test_the_gateway_routes_to_the_launched_servers_when_no_pools_are_given() -> None:

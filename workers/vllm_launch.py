@@ -275,7 +275,9 @@ def _spawn(spec: ServerSpec, log: Path, *, detach: bool) -> Running:
 
 
 def _remove_tmp(tmp: Path | str | None) -> None:
-    if tmp:
+    """Remove a server's temporary directory: only one `_spawn` could have made (a record is a
+    file, which could name any directory)."""
+    if tmp and Path(tmp).parent == Path(tempfile.gettempdir()) and Path(tmp).name.startswith("specgate-"):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
