@@ -90,7 +90,11 @@ class Adaptive:
             chance *= self.model.tpot_met_probability(prediction, tpot_ms)
         return chance
 
-    def _options(self, snapshot: Snapshot, features: RequestFeatures, ttft_ms: float | None) -> list[_Option]:
+    def _options(
+        self, snapshot: Snapshot, features: RequestFeatures, ttft_ms: float | None, *, crowding: bool = True
+    ) -> list[_Option]:
+        """Every healthy replica as an option; with `crowding` off, each worth its chance alone
+        (for a request past saving, placed by its chance, not its worth)."""
         output = self.model.expected_output(features)
         options = []
         for replica in snapshot.healthy():
@@ -99,7 +103,7 @@ class Adaptive:
             chance = self.chance(p, ttft_ms, features.slo_tpot_ms)
             worth = chance
             # (Sure to meet, it costs the others nothing; out of reach, it is not placed for its worth.)
-            if 0.0 < chance < 1.0 and features.slo_tpot_ms is not None and self.params.crowding_weight:
+            if crowding and 0.0 < chance < 1.0 and features.slo_tpot_ms is not None and self.params.crowding_weight:
                 worth -= self.params.crowding_weight * self.model.crowding_loss(p, features.slo_tpot_ms)
             options.append(_Option(replica, p, chance, score, worth))
         return options
@@ -150,7 +154,7 @@ class Adaptive:
         # Its SLOs are lost: serve it best-effort, where it is sure to be served before the
         # wait runs out, else wait in the gateway for such a place or for the end of the wait.
         left = admission.give_up_ms(features) - features.waited_ms
-        relaxed = self._options(snapshot, features, left)
+        relaxed = self._options(snapshot, features, left, crowding=False)
         best = max(relaxed, key=lambda o: (o.chance, -o.score))
         if best.chance >= self.params.min_chance:
             return self._decision(best, "best-effort", best_effort=True)
