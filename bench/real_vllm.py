@@ -167,6 +167,7 @@ FITTED: dict[str, tuple[str, dict[str, str]]] = {
     "overhead_s": ("specgate_ttft_overhead_seconds", {}),
     "ttft_factor": ("specgate_prediction_factor", {"kind": "ttft"}),
     "tpot_factor": ("specgate_prediction_factor", {"kind": "tpot"}),
+    "tpot_spread": ("specgate_tpot_spread", {}),
 }
 """What the gateway's fit of each pool says of the servers at the end of a run: the metric read
 for each, and its labels besides the pool's."""
@@ -343,23 +344,24 @@ def case_report(case: dict[str, Any]) -> str:
 def fit_report(runs: list[dict[str, Any]]) -> str:
     """What the adaptive policy's gateway had fitted of the servers at the end of each level."""
     rows = [
-        "| clients | pool | wait (steps) | overhead (ms) | TTFT factor | TPOT factor |",
-        "|---|---|---|---|---|---|",
+        "| clients | pool | wait (steps) | overhead (ms) | TTFT factor | TPOT factor | TPOT spread |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in sorted((r for r in runs if r["policy"] == "adaptive"), key=lambda r: r["concurrency"]):
         for pool, fit in r.get("fit", {}).items():
             overhead = fit["overhead_s"] * 1e3 if fit["overhead_s"] is not None else None
             rows.append(
                 f"| {r['concurrency']} | {pool} | {_fmt(fit['wait_steps'], 2)} | {_fmt(overhead)} | "
-                f"{_fmt(fit['ttft_factor'], 2)} | {_fmt(fit['tpot_factor'], 2)} |"
+                f"{_fmt(fit['ttft_factor'], 2)} | {_fmt(fit['tpot_factor'], 2)} | {_fmt(fit.get('tpot_spread'), 2)} |"
             )
     if len(rows) == 2:
         return ""
     return (
         "\n### What the gateway learned of the servers\n\nThe adaptive policy's gateway (a fresh one at each "
         "level), at the end of the level: the steps of the batch a newcomer waits beyond the half step in "
-        "flight, the time before a first token that no step accounts for, and what the fitted steps still "
-        "missed of TTFT and TPOT.\n\n" + "\n".join(rows) + "\n"
+        "flight, the time before a first token that no step accounts for, what the fitted steps still "
+        "missed of TTFT and TPOT, and how far the TPOTs no prefill stalled spread about their predictions "
+        "(the standard deviation of the log ratio; 0 before ten such answers).\n\n" + "\n".join(rows) + "\n"
     )
 
 

@@ -139,6 +139,7 @@ def _fit(fit: LatencyFit, model: LatencyModel, pool: Pool) -> dict[str, object]:
         "ttft_wait_steps_stderr": round(report.stderr[4], 3),
         "factors": {"ttft": round(scales.ttft_factor, 4), "tpot": round(scales.tpot_factor, 4)},
         "prediction_log_error": {"ttft": report.ttft_error, "tpot": report.tpot_error},
+        "tpot_spread": round(scales.tpot_spread, 4),
         f"step_ms_at_context_{REFERENCE_CONTEXT}": {f"batch {b}": both(b) for b in REFERENCE_BATCHES},
         f"prefill_ms_of_{REFERENCE_PROMPT}_tokens": both(0, REFERENCE_PROMPT),
     }

@@ -139,6 +139,9 @@ def _fit_gauges(r: CollectorRegistry, fleet: Fleet) -> None:
     factor = Gauge("specgate_prediction_factor", "Measured over predicted latency that the fitted step costs "
                    "still miss on the pool's answers, smoothed, by kind (ttft, tpot): it multiplies the "
                    "predictions.", ("pool", "kind"), registry=r)  # fmt: skip
+    spread = Gauge("specgate_tpot_spread", "Standard deviation of log(measured / predicted) TPOT over the "
+                   "pool's answers that no prefill stalled: the noise the predictions' chances allow for.",
+                   ("pool",), registry=r)  # fmt: skip
     answers = Gauge("specgate_step_cost_answers", "Answers measured on the pool, by use: all (checked against "
                     "their predictions) and fitted (from a steady replica: the step costs' evidence).",
                     ("pool", "use"), registry=r)  # fmt: skip
@@ -163,6 +166,7 @@ def _fit_gauges(r: CollectorRegistry, fleet: Fleet) -> None:
         error.labels(name, "tpot").set_function(reader(fit, attrgetter("tpot_error")))
         factor.labels(name, "ttft").set_function(reader(fit, attrgetter("scales.ttft_factor")))
         factor.labels(name, "tpot").set_function(reader(fit, attrgetter("scales.tpot_factor")))
+        spread.labels(name).set_function(reader(fit, attrgetter("scales.tpot_spread")))
         answers.labels(name, "all").set_function(reader(fit, attrgetter("answers")))
         answers.labels(name, "fitted").set_function(reader(fit, attrgetter("fitted")))
 

@@ -91,7 +91,8 @@ class Prediction:
     """How many prompts are expected to stall this request between its arrival and its end."""
     spread: float = 0.0
     """Relative spread (standard deviation) of the stall-free TPOT from request to request: on a
-    speculative replica, requests accept the drafts at different rates."""
+    speculative replica, requests accept the drafts at different rates; and however the model
+    prices it, at least as much as the pool's quiet answers are seen to spread (`Scales.tpot_spread`)."""
     stalls_per_s: float = 0.0
     """How often prompts arrive at the replica and stall its decoding."""
     output_spread: float = 0.0
@@ -274,7 +275,7 @@ class LatencyModel:
             decode_tpot_ms=decode_tpot,
             stall_ms=stall_ms,
             stalls=stalls,
-            spread=self._spec_spread if pool is Pool.SPECULATIVE else STEP_SPREAD,
+            spread=max(self._spec_spread if pool is Pool.SPECULATIVE else STEP_SPREAD, scales.tpot_spread),
             stalls_per_s=rate,
             output_spread=0.0 if features.output_hinted else OUTPUT_SPREAD,
             max_output_tokens=features.max_tokens,

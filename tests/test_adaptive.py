@@ -116,6 +116,23 @@ def test_predictions_never_seen_measured_refuse_only_what_no_correction_could_sa
     assert isinstance(Adaptive(MODEL).decide(hopeless, IDLE), Shed)
 
 
+def test_a_tpot_target_within_the_pools_measured_spread_is_never_refused() -> None:
+    """A plain A100 decodes at 38.5 ms alone: a 36 ms target is 7% under it. Were its TPOTs as
+    steady as the model's 3% says, that is out of reach; where its answers are seen to spread 10%,
+    a quarter of them meet it, and the request is served where its chance is best, not refused."""
+    tight = replace(FEATURES, slo_tpot_ms=36.0)
+    plain = replace(state("plain-0", Pool.PLAIN), checked=20)
+    refused = Adaptive(MODEL).decide(tight, Snapshot((plain,)))
+    assert isinstance(refused, Shed)
+    assert refused.reason == "slo-infeasible"
+    noisy = replace(plain, scales=Scales(tpot_spread=0.10))
+    served = Adaptive(MODEL).decide(tight, Snapshot((noisy,)))
+    assert isinstance(served, Decision)
+    assert (served.replica.name, served.reason, served.best_effort) == ("plain-0", "best-chance", False)
+    assert served.chance is not None
+    assert 0.1 < served.chance < 0.5
+
+
 def test_a_request_past_its_ttft_target_is_served_best_effort_only_where_it_delays_no_one() -> None:
     waited = replace(FEATURES, waited_ms=1990.0)  # 10 ms of its 2 s target left: lost
     served = Adaptive(MODEL).decide(waited, IDLE)

@@ -288,3 +288,39 @@ def test_a_pool_seldom_chosen_starts_from_what_the_other_learned() -> None:
     for scale in (learned.fixed, learned.decode, learned.prefill):
         assert 0.5 <= scale < 0.6  # as far as the other pool's answers outweigh the prior: nearly all the way
     assert (learned.ttft_factor, learned.tpot_factor) == (1.0, 1.0)  # what the model misses is each pool's own
+
+
+def _spread_after(noise: float, truth: Scales, arrivals_per_s: float = 0.0, answers: int = 400) -> float:
+    """The TPOT spread a plain pool's fit learns from `answers` answers of replicas whose costs
+    are `truth`, each TPOT off by log-normal `noise`, prompts arriving at `arrivals_per_s`."""
+    model = LatencyModel(H100_LLAMA31_8B)
+    fit = LatencyFit()
+    rng = random.Random(5)
+    for _ in range(answers):
+        state = idle(Pool.PLAIN, in_flight=rng.randrange(0, 8), arrivals_per_s=arrivals_per_s,
+                     prefill_tokens_per_s=arrivals_per_s * 1000, scales=fit.scales)  # fmt: skip
+        priced = model.predict(state, _request(rng)).terms
+        ttft, tpot, step = (predicted_ms(truth, t) for t in (priced.ttft, priced.tpot, priced.step))
+        fit.observe(ttft, tpot * math.exp(rng.gauss(0, noise)), priced, step_ms=step)
+    return fit.scales.tpot_spread
+
+
+def test_the_spread_of_tpots_no_prompt_stalled_is_learned_and_widens_the_chance() -> None:
+    """A replica whose TPOTs spread 10% from request to request (a CPU shared with other work)
+    is learned as such, while the fit converges from a profile 1.5x off; a noiseless one that
+    starts as far off is not read as noisy; answers that prompts stalled (the model prices their
+    count apart) teach nothing of it. The spread then widens the TPOT chance: a target 7% under
+    the predicted TPOT is a long shot, not out of reach."""
+    slower = Scales(1.5, 1.5, 1.5)
+    assert _spread_after(0.10, slower) == pytest.approx(0.10, abs=0.02)
+    assert _spread_after(0.0, slower) < 0.02
+    assert _spread_after(0.30, slower, arrivals_per_s=20.0) == 0.0
+    assert _spread_after(0.10, slower, answers=8) == 0.0  # too few to say
+    model = LatencyModel(H100_LLAMA31_8B)
+    quiet = idle(Pool.PLAIN)
+    predicted = model.predict(quiet, FEATURES)
+    target = predicted.tpot_ms / 1.07
+    assert model.tpot_met_probability(predicted, target) == 0.0
+    noisy = model.predict(replace(quiet, scales=Scales(tpot_spread=0.10)), FEATURES)
+    assert noisy.tpot_ms == predicted.tpot_ms
+    assert 0.1 < model.tpot_met_probability(noisy, target) < 0.5

@@ -70,6 +70,12 @@ no answer has seen a batch."""
 MAX_OVERHEAD_MS = 60_000.0
 _MAX_RATIO = 2.0
 MAX_STALL_SHARE = 0.2
+QUIET_STALL_SHARE = 0.05
+"""An answer whose replica was expected to take a prompt in fewer than this share of its steps:
+its TPOT spreads by the replica's own noise, not by how many prompts happened to land."""
+SPREAD_MIN_ANSWERS = 10.0
+"""Quiet answers (by their decayed weight) before their spread is taken as the replica's."""
+MAX_SPREAD = 0.5
 _MAX_FACTOR_STEP = math.log(2.0)
 """One answer moves a factor as if it were at most twice or half its prediction: one request
 stuck behind a preemption cannot wreck it."""
@@ -197,6 +203,10 @@ class LatencyFit:
         self._residual = (0.0, 0.0)
         """Decayed sum of the squared relative residuals of the fit, and of their weights."""
         self._errors: dict[str, tuple[float, float]] = {}
+        self._quiet = (0.0, 0.0)
+        """Decayed sums over quiet answers of half the squared change in the TPOT's log error from
+        the quiet answer before, and of their weights."""
+        self._last_quiet: float | None = None
         self.scales: Scales = Scales()
         self._factors_stamp = 0
         """The gateway's count of updates to the factors when this process last changed or took them."""
@@ -248,7 +258,10 @@ class LatencyFit:
             if seen is None or seen <= 0 or not math.isfinite(seen) or predicted <= 0:
                 continue
             measured[kind] = (seen, terms)
-            self._error(kind, math.log(seen / (predicted * factors[kind])))
+            log_error = math.log(seen / (predicted * factors[kind]))
+            self._error(kind, log_error)
+            if kind == "tpot" and priced.stall_share <= QUIET_STALL_SHARE:
+                self._quiet_error(log_error)
         if not measured:
             return
         self.answers += 1
@@ -270,7 +283,9 @@ class LatencyFit:
             predicted = predicted_ms(self.scales, terms) * factors[kind]
             step = max(-_MAX_FACTOR_STEP, min(_MAX_FACTOR_STEP, math.log(seen / predicted)))
             factors[kind] = min(max(factors[kind] * math.exp(self._smoothing * step), low), high)
-        self.scales = replace(self.scales, ttft_factor=factors["ttft"], tpot_factor=factors["tpot"])
+        self.scales = replace(
+            self.scales, ttft_factor=factors["ttft"], tpot_factor=factors["tpot"], tpot_spread=self._spread()
+        )
         self._factors_stamp += 1
         if self.shared is not None and self.basis is not None:
             self.shared.publish_factors(self.basis, factors["ttft"], factors["tpot"], self._factors_stamp)
@@ -305,6 +320,21 @@ class LatencyFit:
     def _error(self, kind: str, log_ratio: float) -> None:
         total, weight = self._errors.get(kind, (0.0, 0.0))
         self._errors[kind] = (total * self._keep + log_ratio * log_ratio, weight * self._keep + 1.0)
+
+    def _quiet_error(self, log_ratio: float) -> None:
+        last, self._last_quiet = self._last_quiet, log_ratio
+        if last is not None:
+            total, weight = self._quiet
+            self._quiet = (total * self._keep + (log_ratio - last) ** 2 / 2, weight * self._keep + 1.0)
+
+    def _spread(self) -> float:
+        """The standard deviation of the quiet answers' TPOT log error, from how it changes from one
+        answer to the next: the noise of independent answers, not the drift of a prediction still
+        converging (which the TPOT factor takes up)."""
+        total, weight = self._quiet
+        if weight < SPREAD_MIN_ANSWERS:
+            return 0.0
+        return min(math.sqrt(total / weight), MAX_SPREAD)
 
     def _solve(self, rows: Sequence[tuple[list[float], float]] = ()) -> None:
         """The scales from the answers so far and the prior; `rows`, the newest answer's

@@ -33,6 +33,11 @@ class Scales:
     """Measured over predicted TTFT, smoothed, left after the fitted step costs: what the model's
     picture of the replica misses (a queue it does not see, a batch that is not the one priced)."""
     tpot_factor: float = 1.0
+    tpot_spread: float = 0.0
+    """How far the pool's measured TPOTs spread about their predictions (standard deviation of
+    the log ratio) on answers no prefill stalled: the noise of the replica itself (a CPU shared
+    with other work, a batch that changes under a request), which no step accounts for; 0 before
+    enough answers to say."""
     wait: float = 0.0
     """Steps of the batch a newcomer finds (as the profile prices one) that it waits for its first
     token beyond the half step in flight: vLLM's engine takes a newcomer at the next step, but its
