@@ -325,7 +325,7 @@ class LatencyModel:
                 chance += output_weight * weight * (1.0 if allowed is None else _poisson_cdf(allowed, stalls))
         return min(chance, 1.0)
 
-    def crowding_loss(self, prediction: Prediction, slo_tpot_ms: float) -> float:
+    def crowding_loss(self, prediction: Prediction, slo_tpot_ms: float, met: float | None = None) -> float:
         """How many of the requests it would decode beside are expected to miss a TPOT target of
         `slo_tpot_ms` because it joined them, each taken to be like it (the same target, length
         and stalls): its steps slow theirs for about `OVERLAP` of their lives, and its prefill
@@ -333,7 +333,8 @@ class LatencyModel:
 
         The chance is a sum of steps in the stall-free TPOT (three points of its spread), and a
         newcomer moves that TPOT by far less than a step's width: it is priced by the chance's
-        mean slope over the width of the spread, not by whether it crosses a step."""
+        mean slope over the width of the spread, not by whether it crosses a step. `met`: the
+        chance of meeting the target as predicted, when already worked out."""
         if not prediction.batch:
             return 0.0
         tpot = prediction.decode_tpot_ms
@@ -342,7 +343,9 @@ class LatencyModel:
         slower = self.tpot_met_probability(replace(prediction, decode_tpot_ms=tpot + span), slo_tpot_ms)
         slowed = (faster - slower) / (2 * span) * prediction.crowding_ms * OVERLAP
         fewer = replace(prediction, stalls=max(prediction.stalls - 1.0, 0.0))
-        stalled = self.tpot_met_probability(fewer, slo_tpot_ms) - self.tpot_met_probability(prediction, slo_tpot_ms)
+        if met is None:
+            met = self.tpot_met_probability(prediction, slo_tpot_ms)
+        stalled = self.tpot_met_probability(fewer, slo_tpot_ms) - met
         return prediction.batch * max(slowed + stalled, 0.0)
 
     @staticmethod
