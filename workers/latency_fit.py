@@ -33,7 +33,9 @@ What the steps so fitted still miss of the TTFT and TPOT the pool's requests see
 answer, is kept as a smoothed ratio per kind (`Scales.ttft_factor`, `tpot_factor`): the model's
 picture of a replica is not the replica (prefill stalls it estimates from a rate, a queue it
 does not time, a batch that grows under a request, a crowded KV cache), and that error is not
-the step costs'.
+the step costs'. How far the TPOTs of answers that no prompt was expected to stall spread about
+their predictions is kept too (`Scales.tpot_spread`): the replica's own noise, which the chance of
+meeting a TPOT target must allow for.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ MAX_OVERHEAD_MS = 60_000.0
 _MAX_RATIO = 2.0
 MAX_STALL_SHARE = 0.2
 QUIET_STALL_SHARE = 0.05
-"""An answer whose replica was expected to take a prompt in fewer than this share of its steps:
+"""An answer whose replica was expected to take a prompt in at most this share of its steps:
 its TPOT spreads by the replica's own noise, not by how many prompts happened to land."""
 SPREAD_MIN_ANSWERS = 10.0
 """Quiet answers (by their decayed weight) before their spread is taken as the replica's."""
