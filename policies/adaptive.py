@@ -78,19 +78,20 @@ class Adaptive:
 
     def chance(self, prediction: Prediction, ttft_ms: float | None, tpot_ms: float | None) -> float:
         """The chance a request predicted so meets a TTFT target of `ttft_ms` and a TPOT one of `tpot_ms`."""
-        chance = self._ttft_chance(prediction, ttft_ms)
-        if chance and tpot_ms is not None:
-            chance *= self.model.tpot_met_probability(prediction, tpot_ms)
-        return chance
+        ttft, tpot = self._chances(prediction, ttft_ms, tpot_ms)
+        return ttft * tpot
 
-    def _ttft_chance(self, prediction: Prediction, ttft_ms: float | None) -> float:
-        if ttft_ms is None:
-            return 1.0
-        ratio = prediction.ttft_ms / ttft_ms if ttft_ms > 0 else float("inf")
-        if ratio > 1.0:
-            return 0.0
-        margin = self.params.slo_margin
-        return (1.0 - ratio) / (1.0 - margin) if ratio > margin else 1.0
+    def _chances(self, prediction: Prediction, ttft_ms: float | None, tpot_ms: float | None) -> tuple[float, float]:
+        """The chances of meeting each target apart (the TPOT one not worked out, 1, where the TTFT
+        one is nil)."""
+        ttft = 1.0
+        if ttft_ms is not None:
+            ratio = prediction.ttft_ms / ttft_ms if ttft_ms > 0 else float("inf")
+            margin = self.params.slo_margin
+            ttft = 0.0 if ratio > 1.0 else (1.0 - ratio) / (1.0 - margin) if ratio > margin else 1.0
+        if not ttft or tpot_ms is None:
+            return ttft, 1.0
+        return ttft, self.model.tpot_met_probability(prediction, tpot_ms)
 
     def _options(
         self, snapshot: Snapshot, features: RequestFeatures, ttft_ms: float | None, *, crowding: bool = True
@@ -103,10 +104,8 @@ class Adaptive:
         for replica in snapshot.healthy():
             p = self.model.predict(replica, features)
             score = (p.completion_ms(output) + self.params.harm_weight * p.harm_ms) / replica.weight
-            chance = self._ttft_chance(p, ttft_ms)
-            tpot_chance = self.model.tpot_met_probability(p, tpot_ms) if chance and tpot_ms is not None else 1.0
-            chance *= tpot_chance
-            worth = chance
+            ttft_chance, tpot_chance = self._chances(p, ttft_ms, tpot_ms)
+            chance = worth = ttft_chance * tpot_chance
             # (Sure to meet, it costs the others nothing; out of reach, it is not placed for its worth.)
             if crowding and 0.0 < chance < 1.0 and tpot_ms is not None and self.params.crowding_weight:
                 worth -= self.params.crowding_weight * self.model.crowding_loss(p, tpot_ms, tpot_chance)
