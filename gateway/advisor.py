@@ -2,18 +2,21 @@
 path.
 
 The gateway keeps the requests it answered over the last `window_s` (when each arrived, its prompt
-and output tokens, its SLO targets). Every `interval_s`, with enough of them, it hands them to
-`specgate plan` in a child process (`bench/plan.py`: every split of the fleet's replicas simulated
-with the adaptive policy on this traffic, replayed three times so that the middle round, which it
-reports, meets a fleet this traffic has loaded and keeps loaded rather than an idle one or one
-emptying behind it, and from the second day at the rate the same minutes brought next the day
-before (`DailyRates`); the profile the policy document names and the traffic's commonest SLO
-pair) and only awaits its answer: the event loop does none of the work. The split it recommends
-(`recommend`) is the one whose requests that met their SLOs were served the most tokens: what the
-fleet is paid to serve, and at one price a server-hour the cheapest good tokens; SLO attainment
-breaks ties. The recommendation and its predicted gain over the fleet's current split go to
-`/metrics` (`specgate_recommended_speculative_replicas`, `specgate_recommended_split_gain`) and `GET
-/admin/fleet`; a log line says when the recommendation changes.
+and output tokens, its SLO targets), and those its policy refused for want of a replica to serve
+them in time (at the output length it expected of them): they are traffic the fleet, split another
+way, might have served, and the plans replay them as the offline simulator's do. Every `interval_s`,
+with enough of them, it hands them to `specgate plan` in a child process (`bench/plan.py`: every
+split of the fleet's replicas simulated with the adaptive policy on this traffic, replayed three
+times so that the middle round, which it reports, meets a fleet this traffic has loaded and keeps
+loaded rather than an idle one or one emptying behind it, and from the second day at the rate the
+same minutes brought next the day before (`DailyRates`); the profile the policy document names and
+the traffic's commonest SLO pair) and only awaits its answer: the event loop does none of the work.
+The split it recommends (`recommend`) is the one whose requests that met their SLOs were served the
+most tokens: what the fleet is paid to serve, and at one price a server-hour the cheapest good
+tokens; SLO attainment breaks ties. The recommendation and its predicted gain over the fleet's
+current split go to `/metrics` (`specgate_recommended_speculative_replicas`,
+`specgate_recommended_split_gain`) and `GET /admin/fleet`; a log line says when the recommendation
+changes.
 
 It recommends; it moves a server only when the policy document's `switching` enables it and the
 gateway can restart servers (a [launch] section and a policy store): then, when `confirmations`
@@ -63,14 +66,14 @@ class AdvisorSettings:
     window_s: float = 900.0
     """How far back the traffic it plans on goes."""
     min_requests: int = 100
-    """Fewer answered requests in the window than this: no plan (too little to tell splits apart)."""
+    """Fewer requests in the window than this: no plan (too little to tell splits apart)."""
     max_requests: int = 2000
     """The most recent this many of them, at most, are planned on."""
 
 
 @dataclass(frozen=True)
 class Seen:
-    """One answered request, as the plan replays it."""
+    """One request answered, or refused by the policy, as the plan replays it."""
 
     at: float
     prompt_tokens: int
@@ -153,7 +156,7 @@ def split_gain(good_tokens: Mapping[int, float], target: int, current: int) -> f
 
 
 class TrafficWindow:
-    """The requests answered over the last `window_s`, at most `max_requests` of them, and the
+    """The requests seen over the last `window_s`, at most `max_requests` of them, and the
     arrivals of the last two days (`daily`)."""
 
     def __init__(self, window_s: float, max_requests: int) -> None:

@@ -6,6 +6,7 @@ tokens it generated (the pool's throughput, which prices its tokens, and the rec
 live advisor plans on), the output length for its group, the replica's observed TTFT and TPOT and
 the re-fit of its pool's step costs, on a speculative replica the speedup of the request's group
 over the pool's mean acceptance, the latency histograms, the prediction error and the SLO outcome.
+A request the policy refused is recent traffic for the advisor too (`shed`).
 """
 
 from __future__ import annotations
@@ -68,9 +69,7 @@ class Feedback:
         if outcome.generated:
             self.metrics.output_tokens.labels(pool).inc(outcome.generated)
             self.metrics.tokens.add(replica.pool, outcome.generated, time.monotonic())
-            if self.window is not None:
-                self.window.record(Seen(journey.arrived, features.prompt_tokens, outcome.generated,
-                                        features.slo_ttft_ms, features.slo_tpot_ms))  # fmt: skip
+            self._seen(journey, outcome.generated)
         if outcome.completion_tokens is not None:
             self.lengths.observe(
                 features.model, features.prompt_tokens, outcome.completion_tokens, headers.request_class
@@ -95,6 +94,22 @@ class Feedback:
         if headers.slo_tpot_ms is not None and outcome.tpot_s is not None:
             met = outcome.tpot_s * 1e3 <= headers.slo_tpot_ms
             self.metrics.slo.labels("tpot", "met" if met else "missed", pool, request_class).inc()
+
+    def shed(self, journey: Journey) -> None:
+        """The policy refused the request (out of reach, or its wait in the admission queue over):
+        traffic the fleet did not serve as it is split now, which the advisor plans on as it plans
+        on what was answered, at the output length the policy expected of it (none expected, none
+        to plan on). Not what the gateway refuses for the client's sake (a malformed request, a
+        prompt too long for the model, a client's rate limit): no split would serve that."""
+        output = journey.features.expected_output_tokens or journey.features.max_tokens
+        if output:
+            self._seen(journey, output)
+
+    def _seen(self, journey: Journey, output_tokens: int) -> None:
+        if self.window is not None:
+            features = journey.features
+            self.window.record(Seen(journey.arrived, features.prompt_tokens, output_tokens,
+                                    features.slo_ttft_ms, features.slo_tpot_ms))  # fmt: skip
 
     def refused(
         self, journey: Journey | None, error: GatewayError, request: web.Request | None = None,

@@ -277,6 +277,7 @@ class Relay:
             self.metrics.decisions.labels(plan.policy.name, "none", verdict.reason).inc()
             if route.broken_by is not None:
                 return None
+            self.feedback.shed(journey)
             raise _refusal(verdict)
         decision = verdict
         replica = self.fleet.replicas.get(decision.replica.name)

@@ -290,7 +290,7 @@ async def test_each_pool_s_throughput_and_the_cost_of_its_tokens(fleet: dict[Poo
 
 async def test_the_advisor_plans_the_split_on_the_recent_traffic(fleet: dict[Pool, list[SimProcess]]) -> None:
     token = "admin-token-0123456789"
-    advisor = AdvisorSettings(interval_s=1.0, window_s=600.0, min_requests=6)
+    advisor = AdvisorSettings(interval_s=1.0, window_s=600.0, min_requests=7)
     settings = settings_for(urls(fleet), advisor=advisor, admin_token=token)
     slo = {"x-slo-ttft-ms": "3000", "x-slo-tpot-ms": "60"}
     async with running_gateway(settings) as url, client(url) as api, aiohttp.ClientSession() as session:
@@ -299,6 +299,15 @@ async def test_the_advisor_plans_the_split_on_the_recent_traffic(fleet: dict[Poo
             await api.chat.completions.create(
                 model=MODEL, messages=MESSAGES, max_tokens=30, extra_body={"ignore_eos": True}, extra_headers=slo
             )
+        # One the policy refuses (no replica reaches its TTFT): traffic too, the seventh planned on;
+        # one the gateway refuses for the client's sake (not JSON) is not.
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 40_000}], "max_tokens": 5}
+        async with session.post(f"{url}/v1/chat/completions", json=body, headers={"x-slo-ttft-ms": "100"}) as r:
+            assert r.status == 400
+        async with session.post(
+            f"{url}/v1/chat/completions", data=b"{", headers={"content-type": "application/json"}
+        ) as r:
+            assert r.status == 400
         recommended = None
         for _ in range(150):  # a plan a second, each a child process simulating three splits
             recommended = await gateway_sample(url, "specgate_recommended_speculative_replicas")
@@ -310,7 +319,7 @@ async def test_the_advisor_plans_the_split_on_the_recent_traffic(fleet: dict[Poo
             view = (await r.json())["advisor"]
     assert view["recommended_speculative_replicas"] == recommended
     assert view["current_speculative_replicas"] == 1
-    assert view["requests"] == 6
+    assert view["requests"] == 7
     assert (view["slo_ttft_ms"], view["slo_tpot_ms"]) == (3000, 60)
     assert set(view["attainment_by_speculative_replicas"]) == {"0", "1", "2"}
     good = view["good_tokens_per_s_by_speculative_replicas"]
