@@ -62,6 +62,8 @@ class Day:
     yesterday: bool = True
     """The advisor has seen the day before (the same ramp, other arrivals): it plans on the rate
     that the same minutes then say comes next, as the live advisor does from its second day."""
+    sigmas: float = Switching().sigmas
+    """Standard errors of a plan's own noise a move's gain must clear beyond `min_gain`."""
 
     def requests_of_the_day(self, seed: int | None = None) -> list[TraceRequest]:
         trace = scaled(read_trace(self.trace, self.requests), self.rate_scale)
@@ -72,7 +74,7 @@ class Day:
         its moves of the day before took."""
         s = span_s / (24 * 60)
         rules = Switching(enabled=True, min_per_pool=0, confirmations=self.confirmations, min_gain=self.min_gain,
-                          cooldown_ms=self.interval_min * s * 1e3)  # fmt: skip
+                          sigmas=self.sigmas, cooldown_ms=self.interval_min * s * 1e3)  # fmt: skip
         history = [r.arrival_s - span_s for r in self.requests_of_the_day(self.seed + 1)] if self.yesterday else []
         return Switchover(rules, self.interval_min * s, self.window_min * s, self.restart_min * s, min_requests=50,
                           history=tuple(history), period_s=span_s, moves_s=moves_s)  # fmt: skip
@@ -215,7 +217,8 @@ def report(results: dict[str, Any], command: str) -> str:
         f"minutes of the day on the last {s['window_min']:g}"
         + (" (at the rate the day before's same minutes say comes next)" if s["yesterday"] else "")
         + f", moves one server when {s['confirmations']} plans in a row predict at least "
-        f"{s['min_gain'] * 100:g}% more good tokens for the split they recommend, the next as soon as it is back "
+        f"{s['min_gain'] * 100:g}% more good tokens for the split they recommend, by {s.get('sigmas', 0):g} standard "
+        "errors of the plan's own noise more, the next as soon as it is back "
         f"while that plan wants more, and a switched server serves nothing for {s['restart_min']:g} minutes.",
         "",
         "| fleet | SLO attainment | goodput req/s | TTFT p99 ms | TPOT p99 ms | $/M tokens | $/M good tokens "
@@ -303,6 +306,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench daily") 
     parser.add_argument(
         "--min-gain", type=float, default=Day.min_gain, help="predicted share of good tokens a move must add"
     )
+    parser.add_argument("--sigmas", type=float, default=Day.sigmas,
+                        help="standard errors of a plan's noise a gain must clear beyond --min-gain")  # fmt: skip
     parser.add_argument("--no-yesterday", dest="yesterday", action="store_false",
                         help="the switching fleet's advisor has not seen the day before (its first day)")  # fmt: skip
     parser.add_argument("--starts", type=lambda t: [int(v) for v in t.split(",")], default=None,
@@ -317,7 +322,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench daily") 
     day = Day(
         args.trace, args.requests, args.rate_scale, args.replicas, args.slo_ttft_ms, args.slo_tpot_ms, args.profile,
         args.price_per_hour, args.seed, args.interval_min, args.window_min, args.restart_min, args.confirmations,
-        args.min_gain, args.yesterday,
+        args.min_gain, args.yesterday, args.sigmas,
     )  # fmt: skip
     results = run_day(day, args.starts if args.starts is not None else [args.replicas // 2], args.jobs)
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)]).strip()

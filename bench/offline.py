@@ -27,7 +27,7 @@ from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
 from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import PROFILES, Profile
-from specgate.gateway.advisor import DailyRates, Governor, good_tokens_by_split, recommend
+from specgate.gateway.advisor import DailyRates, Governor, good_tokens_by_split, recommend, stretches_by_split
 from specgate.policies.admission import QUEUE_FULL, REVIEW_INTERVAL_S, AdmissionQueue
 from specgate.policies.decision import Decision, Hold, Shed, Verdict
 from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, Switching, parse
@@ -466,8 +466,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         daily.record(at)
     counted = 0
     """The requests whose arrivals `daily` has counted."""
-    last_plan: tuple[dict[int, float], int] | None = None
-    """The last plan: each split's good tokens a second, and the recommended one."""
+    last_plan: tuple[dict[int, float], int, dict[int, list[float]]] | None = None
+    """The last plan: each split's good tokens a second, the recommended one, and each split's good
+    tokens by stretch of its traffic."""
 
     def advise(now: float) -> None:
         nonlocal moving, counted, last_plan
@@ -490,11 +491,12 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         for spec in range(replicas + 1):
             fixed = dataclasses.replace(scenario, fleet=Fleetspec(spec, replicas - spec), switching=None)
             planned = steady(window, fixed)
-            splits.append({"speculative": spec, **planned.summary(), **throughput(planned, None)})
-        good_tokens = good_tokens_by_split(splits)
+            splits.append({"speculative": spec, **planned.summary(), **throughput(planned, None),
+                           "good_tokens_per_s_by_stretch": good_tokens_by_stretch(planned)})  # fmt: skip
+        good_tokens, stretches = good_tokens_by_split(splits), stretches_by_split(splits)
         recommended = int(recommend(splits)["speculative"])
-        last_plan = (good_tokens, recommended)
-        step = governor.move(switchover.rules, good_tokens, recommended, current, replicas, now)
+        last_plan = (good_tokens, recommended, stretches)
+        step = governor.move(switchover.rules, good_tokens, recommended, current, replicas, now, stretches=stretches)
         if step:
             start_move(step, now)
 
@@ -531,7 +533,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         if last_plan is not None:
             assert switchover is not None
             current = sum(r.pool is Pool.SPECULATIVE for r in fleet.replicas.values())
-            step = governor.move(switchover.rules, *last_plan, current, len(fleet.replicas), now, after_move=True)
+            good_tokens, recommended, stretches = last_plan
+            step = governor.move(switchover.rules, good_tokens, recommended, current, len(fleet.replicas), now,
+                                 after_move=True, stretches=stretches)  # fmt: skip
             if step:
                 start_move(step, now)
 
@@ -607,6 +611,26 @@ def throughput(result: RunResult, fleet_per_hour: float | None) -> dict[str, flo
         figures["usd_per_million_tokens"] = usd_per_million_tokens(fleet_per_hour, tokens)
         figures["usd_per_million_good_tokens"] = usd_per_million_tokens(fleet_per_hour, good)
     return figures
+
+
+STRETCHES = 10
+"""A plan's counted round cut into this many stretches of equal time (`good_tokens_by_stretch`)."""
+
+
+def good_tokens_by_stretch(result: RunResult, stretches: int = STRETCHES) -> list[float]:
+    """The output tokens a second of the requests that met their SLOs, by the stretch of the run
+    they arrived in (`stretches` of equal time over `span_s`, from the first arrival counted): how
+    much of a split's figure each part of its traffic gave, from which two splits' difference on
+    the same traffic has a spread (`gateway/advisor.py`'s `gain_error`)."""
+    starts = [s.arrival_s for s in result.served] + [at for at, _ in result.refusals]
+    if not starts or result.span_s <= 0:
+        return [0.0] * stretches
+    first, width = min(starts), result.span_s / stretches
+    good = [0.0] * stretches
+    for s in result.served:
+        if s.meets():
+            good[min(int((s.arrival_s - first) / width), stretches - 1)] += s.output_tokens
+    return [tokens / width for tokens in good]
 
 
 def steady(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specgate.bench.offline import Fleetspec, Scenario, simulate, steady, throughput
+from specgate.bench.offline import Fleetspec, Scenario, good_tokens_by_stretch, simulate, steady, throughput
 from specgate.bench.traces import TraceRequest, read_trace, scaled
 from specgate.calibration.profiles import Profile
 from specgate.gateway.advisor import recommend
@@ -63,7 +63,7 @@ def run_split(settings: PlanSettings, trace: list[TraceRequest], speculative: in
     per_hour = settings.price_per_hour * settings.replicas if settings.price_per_hour is not None else None
     return {
         "speculative": speculative, "plain": fleet.plain, "fleet": fleet.label, **result.summary(),
-        **throughput(result, per_hour),
+        **throughput(result, per_hour), "good_tokens_per_s_by_stretch": good_tokens_by_stretch(result),
     }  # fmt: skip
 
 

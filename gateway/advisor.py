@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import shutil
+import statistics
 import tempfile
 import time
 from collections import Counter, deque
@@ -155,6 +156,30 @@ def split_gain(good_tokens: Mapping[int, float], target: int, current: int) -> f
     return math.inf if then > 0 else 0.0
 
 
+def stretches_by_split(splits: Sequence[Mapping[str, Any]]) -> dict[int, list[float]]:
+    """A plan's splits' good tokens a second in each stretch of its traffic
+    (`good_tokens_per_s_by_stretch`), by their speculative servers; splits without them left out."""
+    return {
+        int(s["speculative"]): [float(v) for v in s["good_tokens_per_s_by_stretch"]]
+        for s in splits
+        if s.get("good_tokens_per_s_by_stretch")
+    }
+
+
+def gain_error(stretches: Mapping[int, Sequence[float]], target: int, current: int) -> float:
+    """The standard error of `split_gain(target, current)` from the plan's own traffic: the two
+    splits' difference in good tokens stretch by stretch (the same requests, routed on either
+    fleet), its spread over the stretches' number, as a share of the current split's good tokens. A
+    plan of the same minutes at a rate 0.5% higher or lower moves the gain by about as much (1.4-4.5%
+    of good tokens at the busy hours of the daily bench, 1.1-6.1% this way). 0 where either split has
+    no stretches, or they differ in number (nothing known of the noise)."""
+    now, then = stretches.get(current, ()), stretches.get(target, ())
+    if len(now) < 2 or len(now) != len(then) or sum(now) <= 0:
+        return 0.0
+    differences = [b - a for a, b in zip(now, then, strict=True)]
+    return statistics.stdev(differences) * math.sqrt(len(now)) / sum(now)
+
+
 class TrafficWindow:
     """The requests seen over the last `window_s`, at most `max_requests` of them, and the
     arrivals of the last two days (`daily`)."""
@@ -222,6 +247,8 @@ class Advice:
     """The rate planned on, as a multiple of the window's (`DailyRates.growth`); None: as it was."""
     horizon_s: float = 0.0
     """How far ahead that rate was looked for (`Governor.horizon_s`)."""
+    gain_error: float = 0.0
+    """The standard error of `gain` from the plan's own traffic (`gain_error`)."""
 
     def view(self) -> dict[str, object]:
         """As GET /admin/fleet shows it."""
@@ -229,10 +256,11 @@ class Advice:
         good_tokens = {str(s["speculative"]): s["good_tokens_per_s"] for s in self.splits}
         return {
             "recommended_speculative_replicas": self.recommended, "current_speculative_replicas": self.current,
-            "predicted_gain": self.gain, "requests": self.requests, "slo_ttft_ms": self.slo[0],
-            "slo_tpot_ms": self.slo[1], "profile": self.profile, "planned_at": self.planned_at,
-            "attainment_by_speculative_replicas": attainment, "good_tokens_per_s_by_speculative_replicas": good_tokens,
-            "rate_growth": self.growth, "plan_horizon_s": self.horizon_s,
+            "predicted_gain": self.gain, "predicted_gain_error": self.gain_error, "requests": self.requests,
+            "slo_ttft_ms": self.slo[0], "slo_tpot_ms": self.slo[1], "profile": self.profile,
+            "planned_at": self.planned_at, "attainment_by_speculative_replicas": attainment,
+            "good_tokens_per_s_by_speculative_replicas": good_tokens, "rate_growth": self.growth,
+            "plan_horizon_s": self.horizon_s,
         }  # fmt: skip
 
 
@@ -268,6 +296,7 @@ class Governor:
         now: float,
         *,
         after_move: bool = False,
+        stretches: Mapping[int, Sequence[float]] | None = None,
     ) -> int:
         """+1: a plain server should speculate now; -1: a speculative one should stop; 0: stay.
         `good_tokens` is the planned splits' good tokens a second, by their speculative servers;
@@ -279,8 +308,12 @@ class Governor:
         `after_move`: asked again of the same plan when its move has ended (the server serves in its
         other pool, `current` counting it): the next step at once if that plan wants more of a
         confirmed direction, no cooldown (which is between plans). A server a plan apart, a fleet
-        took 80 minutes of a day to turn all plain for a peak its plans had seen coming."""
-        step = _wanted(rules, good_tokens, recommended, current, replicas)
+        took 80 minutes of a day to turn all plain for a peak its plans had seen coming.
+
+        `stretches`: the splits' good tokens in each stretch of the plan's traffic
+        (`stretches_by_split`), from which the gain's own noise (`gain_error`), which the gain must
+        clear by `rules.sigmas` standard errors beyond `min_gain`; None: taken as exact."""
+        step = _wanted(rules, good_tokens, recommended, current, replicas, stretches or {})
         if after_move:
             if math.isfinite(self.moved_at):
                 self.moves_s.append(now - self.moved_at)
@@ -299,12 +332,23 @@ class Governor:
         return step
 
 
-def _wanted(rules: Switching, good_tokens: Mapping[int, float], recommended: int, current: int, replicas: int) -> int:
+def _wanted(
+    rules: Switching,
+    good_tokens: Mapping[int, float],
+    recommended: int,
+    current: int,
+    replicas: int,
+    stretches: Mapping[int, Sequence[float]],
+) -> int:
     """The step toward the recommended split (within the minimum per pool), if the plan predicts it
-    serves at least `min_gain` more good tokens than the current one; else 0."""
+    serves at least `min_gain` more good tokens than the current one, by `sigmas` standard errors
+    of the plan's noise more; else 0."""
     target = min(max(recommended, rules.min_per_pool), replicas - rules.min_per_pool)
     step = (target > current) - (target < current)
-    return step if step != 0 and split_gain(good_tokens, target, current) >= rules.min_gain else 0
+    if step == 0:
+        return 0
+    sure = split_gain(good_tokens, target, current) - rules.sigmas * gain_error(stretches, target, current)
+    return step if sure >= rules.min_gain else 0
 
 
 Mover = Callable[[int], Awaitable[None]]
@@ -388,23 +432,24 @@ class Advisor:
             raise ValueError(f"specgate plan exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
         results = json.loads(out)
         splits = results["splits"]
-        good_tokens = good_tokens_by_split(splits)
+        good_tokens, stretches = good_tokens_by_split(splits), stretches_by_split(splits)
         recommended = int(results["recommended"])
         advice = Advice(
             recommended, spec, split_gain(good_tokens, recommended, spec), len(seen), slo, profile, time.time(),
-            splits, growth, horizon_s,
+            splits, growth, horizon_s, gain_error(stretches, recommended, spec),
         )  # fmt: skip
         if self.advice is None or self.advice.recommended != recommended:
             _log.info(
                 "advisor: %d speculative + %d plain recommended for the last %d requests at %.2f times their rate "
-                "(now %d + %d; predicted good tokens %+.1f%%)", recommended, spec + plain - recommended, len(seen),
-                growth or 1.0, spec, plain, advice.gain * 100,
+                "(now %d + %d; predicted good tokens %+.1f%% +- %.1f%%)", recommended, spec + plain - recommended,
+                len(seen), growth or 1.0, spec, plain, advice.gain * 100, advice.gain_error * 100,
             )  # fmt: skip
         self.advice = advice
         rules = self.rules()
         if rules.enabled:
             # The plan covers every split: the recommended and the current one among them.
-            step = self.governor.move(rules, good_tokens, recommended, spec, spec + plain, time.monotonic())
+            step = self.governor.move(rules, good_tokens, recommended, spec, spec + plain, time.monotonic(),
+                                      stretches=stretches)  # fmt: skip
             if step and self.mover is None:
                 _log.warning("advisor: switching is enabled but this gateway cannot restart servers "
                              "(it needs a [launch] section and a policy store)")  # fmt: skip
@@ -414,5 +459,5 @@ class Advisor:
                     await self.mover(step)
                     current += step
                     step = self.governor.move(rules, good_tokens, recommended, current, spec + plain, time.monotonic(),
-                                              after_move=True)  # fmt: skip
+                                              after_move=True, stretches=stretches)  # fmt: skip
         return advice

@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -23,7 +24,9 @@ from specgate.gateway.advisor import (
     Seen,
     TrafficWindow,
     commonest_slo,
+    gain_error,
     split_gain,
+    stretches_by_split,
     trace_csv,
 )
 from specgate.policies.document import Switching
@@ -257,3 +260,35 @@ def test_a_split_gains_the_share_of_good_tokens_it_adds() -> None:
     assert split_gain({0: 0.0, 4: 0.0}, 4, 0) == 0.0
     assert math.isnan(split_gain({0: 800.0}, 4, 0))  # a split the plan did not cover
     assert Governor().move(msgspec.structs.replace(RULES, confirmations=1), {1: 800.0}, 3, 1, 4, now=0.0) == 0
+
+
+def test_a_move_needs_a_gain_that_stands_out_of_the_plans_own_noise() -> None:
+    """Two plans that both predict 5% more good tokens for all plain: in one, every stretch of the
+    traffic gains about that; in the other, one stretch gains it all and the rest are a wash either
+    way. The second is what a plan of splits that are really alike looks like, and moves nothing."""
+    speculative = [1000.0] * 10
+    steady = [1040.0, 1060.0, 1050.0, 1045.0, 1055.0, 1050.0, 1040.0, 1060.0, 1050.0, 1050.0]
+    lucky = [1500.0, 1000.0, 960.0, 1040.0, 980.0, 1020.0, 1000.0, 1000.0, 1000.0, 1000.0]
+    rules = msgspec.structs.replace(RULES, min_per_pool=0, confirmations=1, cooldown_ms=0)
+    for plain, moves in ((steady, -1), (lucky, 0)):
+        stretches = {0: plain, 4: speculative}
+        good_tokens = {0: sum(plain) / 10, 4: 1000.0}
+        assert split_gain(good_tokens, 0, 4) == pytest.approx(0.05)
+        assert Governor().move(rules, good_tokens, 0, 4, 4, now=0.0, stretches=stretches) == moves
+        # Without the stretches, or with the noise not asked for, the figure is taken as exact.
+        assert Governor().move(rules, good_tokens, 0, 4, 4, now=0.0) == -1
+        exact = msgspec.structs.replace(rules, sigmas=0.0)
+        assert Governor().move(exact, good_tokens, 0, 4, 4, now=0.0, stretches=stretches) == -1
+    assert gain_error({0: steady, 4: speculative}, 0, 4) == pytest.approx(0.0023, abs=0.0005)
+    assert gain_error({0: lucky, 4: speculative}, 0, 4) == pytest.approx(0.050, abs=0.002)
+    assert gain_error({0: lucky}, 0, 4) == 0.0  # a split the plan gave no stretches: nothing known
+    assert gain_error({0: lucky, 4: [1000.0] * 5}, 0, 4) == 0.0
+    assert gain_error({0: lucky, 4: [0.0] * 10}, 0, 4) == 0.0  # from nothing met: any gain is real
+
+
+def test_the_plans_stretches_are_read_by_split() -> None:
+    rows: list[dict[str, Any]] = [
+        {"speculative": 0, "good_tokens_per_s": 1.0, "good_tokens_per_s_by_stretch": [1.0, 1.0]},
+        {"speculative": 1, "good_tokens_per_s": 2.0},  # a plan from before the stretches
+    ]
+    assert stretches_by_split(rows) == {0: [1.0, 1.0]}

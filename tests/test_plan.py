@@ -40,6 +40,14 @@ def test_a_tpot_only_speculation_meets_needs_a_speculative_replica(tmp_path: Pat
         assert row["usd_per_million_tokens"] == pytest.approx(expected)
         assert row["usd_per_million_good_tokens"] >= row["usd_per_million_tokens"]
     assert math.isinf(rows[0]["usd_per_million_good_tokens"])  # no request met its SLOs
+    # The good tokens by stretch of the traffic, which the advisor weighs a gain's noise by, add up
+    # to the split's figure; a request every two seconds gives each stretch some.
+    for row in rows.values():
+        stretches = row["good_tokens_per_s_by_stretch"]
+        assert len(stretches) == 10
+        assert sum(stretches) / 10 == pytest.approx(row["good_tokens_per_s"])
+    assert rows[0]["good_tokens_per_s_by_stretch"] == [0.0] * 10
+    assert all(v > 0 for v in rows[1]["good_tokens_per_s_by_stretch"])
     text = table(results)
     assert "(recommended)" in text
     assert "$/M good tokens" in text
