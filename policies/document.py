@@ -20,7 +20,7 @@ A JSON object (in the config file, the same object as the TOML table [policy]); 
         "plain": {"weight": 1.0, "drain": false}
       },
       "switching": {"enabled": false, "min_per_pool": 1, "confirmations": 2, "min_gain": 0.01,
-                    "sigmas": 1.0, "cooldown_ms": 600000},
+                    "sigmas": 0.0, "cooldown_ms": 600000},
       "replicas": {                              # by URL, as the gateways' configs list them
         "http://10.0.0.7:8000": {"pool": "speculative", "drain": false}
       },
@@ -106,10 +106,11 @@ class Switching(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_gain: Annotated[float, Meta(ge=0, le=1)] = 0.01
     """The share of good tokens a second (of requests that met their SLOs) the recommended split
     must be predicted to add to the current one's, on the traffic planned on (0.01: 1% more)."""
-    sigmas: Annotated[float, Meta(ge=0, le=10)] = 1.0
+    sigmas: Annotated[float, Meta(ge=0, le=10)] = 0.0
     """And beyond that, this many standard errors of the gain as the plan's own traffic gives it
     (its stretches' spread): a move needs `gain - sigmas * error >= min_gain`. A plan's splits
-    differ by chance by more than 1% where they are close (0: trust the plan's figure as it is)."""
+    differ by chance by more than 1% where they are close; 0 (the default) trusts the plan's figure
+    as it is: on the daily bench, 1 cost more good tokens than it saved (docs/benchmarks.md)."""
     cooldown_ms: Annotated[float, Meta(ge=0, le=86_400_000)] = 600_000.0
     """After a move, how long before a later plan's may start (the moves one plan wants follow one
     another as each server is back)."""

@@ -269,13 +269,13 @@ def test_a_move_needs_a_gain_that_stands_out_of_the_plans_own_noise() -> None:
     speculative = [1000.0] * 10
     steady = [1040.0, 1060.0, 1050.0, 1045.0, 1055.0, 1050.0, 1040.0, 1060.0, 1050.0, 1050.0]
     lucky = [1500.0, 1000.0, 960.0, 1040.0, 980.0, 1020.0, 1000.0, 1000.0, 1000.0, 1000.0]
-    rules = msgspec.structs.replace(RULES, min_per_pool=0, confirmations=1, cooldown_ms=0)
+    rules = msgspec.structs.replace(RULES, min_per_pool=0, confirmations=1, cooldown_ms=0, sigmas=1.0)
     for plain, moves in ((steady, -1), (lucky, 0)):
         stretches = {0: plain, 4: speculative}
         good_tokens = {0: sum(plain) / 10, 4: 1000.0}
         assert split_gain(good_tokens, 0, 4) == pytest.approx(0.05)
         assert Governor().move(rules, good_tokens, 0, 4, 4, now=0.0, stretches=stretches) == moves
-        # Without the stretches, or with the noise not asked for, the figure is taken as exact.
+        # Without the stretches, or with the noise not asked for (the default), the figure is exact.
         assert Governor().move(rules, good_tokens, 0, 4, 4, now=0.0) == -1
         exact = msgspec.structs.replace(rules, sigmas=0.0)
         assert Governor().move(exact, good_tokens, 0, 4, 4, now=0.0, stretches=stretches) == -1
