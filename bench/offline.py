@@ -491,8 +491,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         for spec in range(replicas + 1):
             fixed = dataclasses.replace(scenario, fleet=Fleetspec(spec, replicas - spec), switching=None)
             planned = steady(window, fixed)
-            splits.append({"speculative": spec, **planned.summary(), **throughput(planned, None),
-                           "good_tokens_per_s_by_stretch": good_tokens_by_stretch(planned)})  # fmt: skip
+            splits.append({"speculative": spec, **split_figures(planned, None)})
         good_tokens, stretches = good_tokens_by_split(splits), stretches_by_split(splits)
         recommended = int(recommend(splits)["speculative"])
         last_plan = (good_tokens, recommended, stretches)
@@ -631,6 +630,16 @@ def good_tokens_by_stretch(result: RunResult, stretches: int = STRETCHES) -> lis
         if s.meets():
             good[min(int((s.arrival_s - first) / width), stretches - 1)] += s.output_tokens
     return [tokens / width for tokens in good]
+
+
+def split_figures(result: RunResult, fleet_per_hour: float | None) -> dict[str, Any]:
+    """A plan's figures for one split of the fleet, as `specgate plan` and the simulator's advisor
+    both report them: the run's summary, its tokens a second (and their cost), and its good tokens
+    by stretch of the traffic."""
+    return {
+        **result.summary(), **throughput(result, fleet_per_hour),
+        "good_tokens_per_s_by_stretch": good_tokens_by_stretch(result),
+    }  # fmt: skip
 
 
 def steady(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:

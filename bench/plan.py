@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specgate.bench.offline import Fleetspec, Scenario, good_tokens_by_stretch, simulate, steady, throughput
+from specgate.bench.offline import Fleetspec, Scenario, simulate, split_figures, steady
 from specgate.bench.traces import TraceRequest, read_trace, scaled
 from specgate.calibration.profiles import Profile
 from specgate.gateway.advisor import recommend
@@ -62,8 +62,7 @@ def run_split(settings: PlanSettings, trace: list[TraceRequest], speculative: in
     result = steady(trace, scenario) if settings.warm_up else simulate(trace, scenario)
     per_hour = settings.price_per_hour * settings.replicas if settings.price_per_hour is not None else None
     return {
-        "speculative": speculative, "plain": fleet.plain, "fleet": fleet.label, **result.summary(),
-        **throughput(result, per_hour), "good_tokens_per_s_by_stretch": good_tokens_by_stretch(result),
+        "speculative": speculative, "plain": fleet.plain, "fleet": fleet.label, **split_figures(result, per_hour),
     }  # fmt: skip
 
 
