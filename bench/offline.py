@@ -495,7 +495,8 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         good_tokens, stretches = good_tokens_by_split(splits), stretches_by_split(splits)
         recommended = int(recommend(splits)["speculative"])
         last_plan = (good_tokens, recommended, stretches)
-        step = governor.move(switchover.rules, good_tokens, recommended, current, replicas, now, stretches=stretches)
+        step = governor.move(switchover.rules, good_tokens, recommended, current, replicas, now, stretches=stretches,
+                             fresh=switchover.interval_s / switchover.window_s)  # fmt: skip
         if step:
             start_move(step, now)
 

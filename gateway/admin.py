@@ -161,7 +161,7 @@ async def get_fleet(request: web.Request) -> web.Response:
                 for r in snapshot.replicas]  # fmt: skip
     pools = {pool.value: _fit(fit, plan.model, pool) for pool, fit in fleet.fits.items()}
     advice = request.app[ADVISOR].advice
-    advisor = advice.view() if advice is not None else None
+    advisor = {**advice.view(), "streak": request.app[ADVISOR].governor.view()} if advice is not None else None
     group = request.app[SETTINGS].processes
     process = {"index": group.index + 1, "count": group.count} if group is not None else None
     shared = fleet.shared

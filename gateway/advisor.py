@@ -273,10 +273,23 @@ class Governor:
     confirmed, a direction is followed, a server each cooldown, until a plan stops wanting it;
     confirming each move anew made the fleet a phase late for every phase of a day)."""
     direction: int = 0
+    evidence: list[tuple[float, float]] = field(default_factory=list)
+    """Each plan of the streak's gain and its standard error (`gain_error`): pooled, they must
+    clear `min_gain` by `sigmas` standard errors before the streak's direction is followed."""
+    confirmed: bool = False
+    """The streak's evidence has cleared: its direction is followed while plans want it."""
+    fresh: float = 1.0
+    """The share of each plan's traffic the one before it did not see (as `move` last had it)."""
     moved_at: float = -math.inf
     """When the last move began."""
     moves_s: deque[float] = field(default_factory=lambda: deque(maxlen=8))
     """How long the last moves took, from the drain to serving in the other pool."""
+
+    def view(self) -> dict[str, object]:
+        """The plans in a row that want a move, as GET /admin/fleet shows them."""
+        gain, error = pooled(self.evidence, self.fresh)
+        return {"direction": self.direction, "plans": self.streak, "pooled_gain": gain, "pooled_gain_error": error,
+                "confirmed": self.confirmed}  # fmt: skip
 
     def horizon_s(self, rules: Switching, interval_s: float, replicas: int) -> float:
         """How far ahead a plan made now looks: the moves it starts take up to one per server, a
@@ -297,6 +310,7 @@ class Governor:
         *,
         after_move: bool = False,
         stretches: Mapping[int, Sequence[float]] | None = None,
+        fresh: float = 1.0,
     ) -> int:
         """+1: a plain server should speculate now; -1: a speculative one should stop; 0: stay.
         `good_tokens` is the planned splits' good tokens a second, by their speculative servers;
@@ -311,22 +325,30 @@ class Governor:
         took 80 minutes of a day to turn all plain for a peak its plans had seen coming.
 
         `stretches`: the splits' good tokens in each stretch of the plan's traffic
-        (`stretches_by_split`), from which the gain's own noise (`gain_error`), which the gain must
-        clear by `rules.sigmas` standard errors beyond `min_gain`; None: taken as exact."""
-        step = _wanted(rules, good_tokens, recommended, current, replicas, stretches or {})
+        (`stretches_by_split`), from which the gain's own noise (`gain_error`); None: taken as
+        exact. A streak is confirmed when its plans' gains, pooled, clear `min_gain` by
+        `rules.sigmas` standard errors of their mean: one plan of a few hundred requests cannot
+        tell splits 3% apart, three in a row that each see it can. `fresh`: the share of a plan's
+        traffic that the plan before it did not see (its interval over its window, at most 1):
+        plans of overlapping windows are not independent evidence."""
+        step, gain, error = _wanted(rules, good_tokens, recommended, current, replicas, stretches or {})
         if after_move:
             if math.isfinite(self.moved_at):
                 self.moves_s.append(now - self.moved_at)
-            step = step if step == self.direction and self.streak >= rules.confirmations else 0
+            step = step if step == self.direction and self.confirmed else 0
             if step:
                 self.moved_at = now
             return step
         if step == 0:
-            self.streak, self.direction = 0, 0
+            self.streak, self.direction, self.evidence, self.confirmed = 0, 0, [], False
             return 0
-        self.streak = self.streak + 1 if step == self.direction else 1
-        self.direction = step
-        if self.streak < rules.confirmations or now - self.moved_at < rules.cooldown_ms / 1e3:
+        if step != self.direction:
+            self.streak, self.direction, self.evidence, self.confirmed = 0, step, [], False
+        self.streak, self.fresh = self.streak + 1, fresh
+        self.evidence.append((gain, error))
+        if not self.confirmed and self.streak >= rules.confirmations:
+            self.confirmed = _clears(rules, self.evidence, fresh)
+        if not self.confirmed or now - self.moved_at < rules.cooldown_ms / 1e3:
             return 0
         self.moved_at = now
         return step
@@ -339,16 +361,34 @@ def _wanted(
     current: int,
     replicas: int,
     stretches: Mapping[int, Sequence[float]],
-) -> int:
-    """The step toward the recommended split (within the minimum per pool), if the plan predicts it
-    serves at least `min_gain` more good tokens than the current one, by `sigmas` standard errors
-    of the plan's noise more; else 0."""
+) -> tuple[int, float, float]:
+    """The step toward the recommended split (within the minimum per pool) if the plan predicts it
+    serves at least `min_gain` more good tokens than the current one, else 0; with that gain and
+    its standard error."""
     target = min(max(recommended, rules.min_per_pool), replicas - rules.min_per_pool)
     step = (target > current) - (target < current)
     if step == 0:
-        return 0
-    sure = split_gain(good_tokens, target, current) - rules.sigmas * gain_error(stretches, target, current)
-    return step if sure >= rules.min_gain else 0
+        return 0, 0.0, 0.0
+    gain, error = split_gain(good_tokens, target, current), gain_error(stretches, target, current)
+    return (step if gain >= rules.min_gain else 0), gain, error
+
+
+def pooled(evidence: Sequence[tuple[float, float]], fresh: float) -> tuple[float, float]:
+    """Plans' gains and their standard errors, pooled: the mean gain and its standard error. Plans
+    whose windows overlap count as fewer: each adds `fresh` (at most 1) of a plan's evidence."""
+    if not evidence:
+        return 0.0, 0.0
+    mean = sum(gain for gain, _ in evidence) / len(evidence)
+    independent = 1.0 + (len(evidence) - 1) * min(max(fresh, 0.0), 1.0)
+    return mean, math.sqrt(sum(e * e for _, e in evidence) / len(evidence) / independent)
+
+
+def _clears(rules: Switching, evidence: Sequence[tuple[float, float]], fresh: float) -> bool:
+    """Whether the plans' gains, pooled, clear `min_gain` by `sigmas` standard errors of their mean."""
+    mean, error = pooled(evidence, fresh)
+    if rules.sigmas == 0 or math.isinf(mean):
+        return mean >= rules.min_gain
+    return mean - rules.sigmas * error >= rules.min_gain
 
 
 Mover = Callable[[int], Awaitable[None]]
@@ -448,8 +488,9 @@ class Advisor:
         rules = self.rules()
         if rules.enabled:
             # The plan covers every split: the recommended and the current one among them.
+            fresh = self.settings.interval_s / self.settings.window_s
             step = self.governor.move(rules, good_tokens, recommended, spec, spec + plain, time.monotonic(),
-                                      stretches=stretches)  # fmt: skip
+                                      stretches=stretches, fresh=fresh)  # fmt: skip
             if step and self.mover is None:
                 _log.warning("advisor: switching is enabled but this gateway cannot restart servers "
                              "(it needs a [launch] section and a policy store)")  # fmt: skip

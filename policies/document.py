@@ -107,10 +107,11 @@ class Switching(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The share of good tokens a second (of requests that met their SLOs) the recommended split
     must be predicted to add to the current one's, on the traffic planned on (0.01: 1% more)."""
     sigmas: Annotated[float, Meta(ge=0, le=10)] = 0.0
-    """And beyond that, this many standard errors of the gain as the plan's own traffic gives it
-    (its stretches' spread): a move needs `gain - sigmas * error >= min_gain`. A plan's splits
-    differ by chance by more than 1% where they are close; 0 (the default) trusts the plan's figure
-    as it is: on the daily bench, 1 cost more good tokens than it saved (docs/benchmarks.md)."""
+    """And beyond that, this many standard errors of the gain as the plans' own traffic gives it
+    (their stretches' spread), pooled over the plans in a row that want the move: a streak is
+    confirmed when their mean gain less `sigmas` standard errors of that mean is at least
+    `min_gain`. A plan's splits differ by chance by more than 1% where they are close; 0 (the
+    default) trusts each plan's figure as it is (docs/benchmarks.md)."""
     cooldown_ms: Annotated[float, Meta(ge=0, le=86_400_000)] = 600_000.0
     """After a move, how long before a later plan's may start (the moves one plan wants follow one
     another as each server is back)."""

@@ -286,6 +286,49 @@ def test_a_move_needs_a_gain_that_stands_out_of_the_plans_own_noise() -> None:
     assert gain_error({0: lucky, 4: [0.0] * 10}, 0, 4) == 0.0  # from nothing met: any gain is real
 
 
+def test_a_streak_of_plans_pools_its_evidence_before_it_moves() -> None:
+    """Plans that each see all plain 3% ahead of 1 + 3, each with a standard error of 3%: none alone
+    clears the 1% asked for by one error more, but their mean does once enough of them agree, the
+    sooner the less their windows overlap; then the direction is followed as any confirmed one."""
+    speculative = [1000.0] * 10
+    plain = [1030.0 + (90.0 if i % 2 else -90.0) for i in range(10)]
+    stretches, good_tokens = {0: plain, 1: speculative}, {0: sum(plain) / 10, 1: 1000.0}
+    error = gain_error(stretches, 0, 1)
+    assert split_gain(good_tokens, 0, 1) == pytest.approx(0.03)
+    assert 0.02 < error < 0.04  # one plan: 3% +- 3%, within its own noise
+    rules = msgspec.structs.replace(RULES, min_per_pool=0, confirmations=1, cooldown_ms=0, sigmas=1.0)
+
+    def plans_to_move(fresh: float) -> int:
+        g = Governor()
+        for plan in range(1, 20):
+            if g.move(rules, good_tokens, 0, 1, 4, now=float(plan), stretches=stretches, fresh=fresh):
+                return plan
+        return 0
+
+    # 3% - 3% / sqrt(n) >= 1%: from the third independent plan; half-overlapping windows, the fourth.
+    assert plans_to_move(1.0) == 3
+    assert plans_to_move(0.5) == 4
+    assert plans_to_move(0.0) == 0  # the same traffic planned again is no more evidence
+    g = Governor()
+    for plan in range(2):
+        g.move(rules, good_tokens, 0, 1, 4, now=float(plan), stretches=stretches)
+    view = g.view()
+    assert (view["direction"], view["plans"], view["confirmed"]) == (-1, 2, False)
+    assert view["pooled_gain"] == pytest.approx(0.03)
+    assert view["pooled_gain_error"] == pytest.approx(error / math.sqrt(2))
+    # A plan that stops wanting the move ends the streak and its evidence.
+    g = Governor()
+    assert g.move(rules, good_tokens, 0, 1, 4, now=1.0, stretches=stretches) == 0
+    assert g.move(rules, good_tokens, 0, 1, 4, now=2.0, stretches=stretches) == 0
+    assert g.move(rules, {0: 1000.0, 1: 1000.0}, 0, 1, 4, now=3.0, stretches=stretches) == 0
+    assert g.evidence == []
+    assert not g.confirmed
+    assert g.move(rules, good_tokens, 0, 1, 4, now=4.0, stretches=stretches) == 0
+    # Without the noise asked for, the plans' figures count as exact, as before.
+    assert Governor().move(msgspec.structs.replace(rules, sigmas=0.0), good_tokens, 0, 1, 4, now=0.0,
+                           stretches=stretches) == -1  # fmt: skip
+
+
 def test_the_plans_stretches_are_read_by_split() -> None:
     rows: list[dict[str, Any]] = [
         {"speculative": 0, "good_tokens_per_s": 1.0, "good_tokens_per_s_by_stretch": [1.0, 1.0]},

@@ -328,6 +328,9 @@ async def test_the_advisor_plans_the_split_on_the_recent_traffic(fleet: dict[Poo
     assert view["predicted_gain"] == pytest.approx(good[str(int(recommended))] / good["1"] - 1)
     error = view["predicted_gain_error"]  # the gain's noise, from the plan's stretches of traffic
     assert error == 0.0 if recommended == 1.0 else 0.0 <= error < math.inf
+    # Switching is off: no plan is counted toward a move.
+    assert view["streak"] == {"direction": 0, "plans": 0, "pooled_gain": 0.0, "pooled_gain_error": 0.0,
+                              "confirmed": False}  # fmt: skip
 
 
 async def test_a_request_no_replica_could_serve_even_idle_is_refused_at_once(gateway: str) -> None:
