@@ -26,7 +26,7 @@ import os
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,8 @@ def run(job: Job) -> dict[str, Any]:
         **throughput(result, day.price_per_hour * day.replicas),
         **hourly(result, result.span_s or 1e-9), "switches": [
             {"drained_s": a, "serving_s": b, "server": name, "to": pool.value} for a, b, name, pool in result.switches
+        ], "plans": [
+            {**asdict(plan), "hour": plan.at_s / (result.span_s or 1e-9) * 24} for plan in result.plans
         ],
     }  # fmt: skip
 

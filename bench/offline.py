@@ -27,7 +27,15 @@ from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
 from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import PROFILES, Profile
-from specgate.gateway.advisor import DailyRates, Governor, good_tokens_by_split, recommend, stretches_by_split
+from specgate.gateway.advisor import (
+    DailyRates,
+    Governor,
+    gain_error,
+    good_tokens_by_split,
+    recommend,
+    split_gain,
+    stretches_by_split,
+)
 from specgate.policies.admission import QUEUE_FULL, REVIEW_INTERVAL_S, AdmissionQueue
 from specgate.policies.decision import Decision, Hold, Shed, Verdict
 from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, Switching, parse
@@ -158,6 +166,23 @@ TOO_LONG = "too-long"
 
 
 @dataclass(frozen=True)
+class Plan:
+    """One plan of a switching fleet's advisor, as the `Governor` was asked to act on it."""
+
+    at_s: float
+    current: int
+    """The fleet's speculative servers when it planned."""
+    recommended: int
+    good_tokens_per_s: Mapping[int, float]
+    """Each split's planned good tokens a second, by its speculative servers."""
+    gain: float
+    """The recommended split's planned gain over the current one (`split_gain`)."""
+    gain_error: float
+    step: int
+    """The move the `Governor` started on it: +1, -1 or 0."""
+
+
+@dataclass(frozen=True)
 class RunResult:
     served: tuple[Served, ...]
     refused: Mapping[str, int]
@@ -169,6 +194,8 @@ class RunResult:
     """Each server switched: when it was drained, when it served again, which, and its new pool."""
     refusals: tuple[tuple[float, str], ...] = ()
     """Each refused request's arrival and why."""
+    plans: tuple[Plan, ...] = ()
+    """Each plan the switching fleet's advisor made, in order."""
 
     def between(self, start_s: float, end_s: float) -> RunResult:
         """Only the requests that arrived from `start_s` to before `end_s`."""
@@ -460,6 +487,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     moving: _Move | None = None
     """The server being switched now."""
     switches: list[tuple[float, float, str, Pool]] = []
+    plans: list[Plan] = []
     arrived_at = [r.arrival_s for r in trace]
     daily = DailyRates(switchover.period_s, switchover.period_s / 1440) if switchover is not None else DailyRates()
     for at in switchover.history if switchover is not None else ():
@@ -497,6 +525,8 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         last_plan = (good_tokens, recommended, stretches)
         step = governor.move(switchover.rules, good_tokens, recommended, current, replicas, now, stretches=stretches,
                              fresh=switchover.interval_s / switchover.window_s)  # fmt: skip
+        plans.append(Plan(now, current, recommended, good_tokens, split_gain(good_tokens, recommended, current),
+                          gain_error(stretches, recommended, current), step))  # fmt: skip
         if step:
             start_move(step, now)
 
@@ -579,7 +609,9 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             heapq.heappush(events, (now + scenario.scrape_interval_s, next(order), "scrape", payload))
     span = trace[-1].arrival_s - trace[0].arrival_s if len(trace) > 1 else 1.0
     scales = {pool: fit.scales for pool, fit in fleet.fits.items()}
-    return RunResult(tuple(served), Counter(why for _, why in refused), span, scales, tuple(switches), tuple(refused))
+    return RunResult(
+        tuple(served), Counter(why for _, why in refused), span, scales, tuple(switches), tuple(refused), tuple(plans)
+    )
 
 
 def warmed(trace: Sequence[TraceRequest]) -> tuple[list[TraceRequest], float, float]:

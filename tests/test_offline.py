@@ -229,6 +229,14 @@ def test_a_switching_fleet_moves_servers_and_loses_no_request() -> None:
     assert serving - drained >= switchover.restart_s  # drained, idle, then restarted
     after = [s.pool for s in result.served if s.arrival_s > serving + 5]
     assert Pool.SPECULATIVE in after
+    # Every plan is kept: the first move began at the first plan that asked for it, which saw the
+    # fleet all plain and a gain in the recommended split.
+    first = next(plan for plan in result.plans if plan.step)
+    assert (first.at_s, first.current, first.step) == (drained, 0, 1)
+    assert first.recommended > 0
+    assert first.gain >= rules.min_gain
+    assert first.good_tokens_per_s[first.recommended] > first.good_tokens_per_s[0]
+    assert [p.at_s for p in result.plans] == sorted(p.at_s for p in result.plans)
     fixed = simulate(trace, dataclasses.replace(scenario, switching=None)).summary()["slo_attainment"]
     assert result.summary()["slo_attainment"] > fixed + 0.2
 
@@ -273,3 +281,6 @@ def test_bench_daily_writes_every_split_and_the_switching_fleet(tmp_path: Path) 
     assert len(results["arrivals_per_s_by_hour"]) == 24
     assert (out / "timeline.png").stat().st_size > 0
     assert "| switching" in (out / "report.md").read_text()
+    switching = results["runs"][5]
+    assert all(0 <= plan["hour"] < 24 and set(plan["good_tokens_per_s"]) == {"0", "1", "2", "3", "4"}
+               for plan in switching["plans"])  # fmt: skip
