@@ -219,8 +219,8 @@ def report(results: dict[str, Any], command: str) -> str:
         f"minutes of the day on the last {s['window_min']:g}"
         + (" (at the rate the day before's same minutes say comes next)" if s["yesterday"] else "")
         + f", moves one server when {s['confirmations']} plans in a row predict at least "
-        f"{s['min_gain'] * 100:g}% more good tokens for the split they recommend, by {s.get('sigmas', 0):g} standard "
-        "errors of the plan's own noise more, the next as soon as it is back "
+        f"{s['min_gain'] * 100:g}% more good tokens for the split they recommend (their gains, pooled, by "
+        f"{s.get('sigmas', 0):g} standard errors of their mean more), the next as soon as it is back "
         f"while that plan wants more, and a switched server serves nothing for {s['restart_min']:g} minutes.",
         "",
         "| fleet | SLO attainment | goodput req/s | TTFT p99 ms | TPOT p99 ms | $/M tokens | $/M good tokens "
