@@ -26,7 +26,7 @@ import os
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +112,7 @@ def run(job: Job) -> dict[str, Any]:
         **hourly(result, result.span_s or 1e-9), "switches": [
             {"drained_s": a, "serving_s": b, "server": name, "to": pool.value} for a, b, name, pool in result.switches
         ], "plans": [
-            {**asdict(plan), "hour": plan.at_s / (result.span_s or 1e-9) * 24} for plan in result.plans
+            {**plan.row(), "hour": plan.at_s / (result.span_s or 1e-9) * 24} for plan in result.plans
         ],
     }  # fmt: skip
 

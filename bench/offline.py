@@ -27,15 +27,7 @@ from specgate.bench.traces import TraceRequest
 from specgate.calibration.modes import Pool
 from specgate.calibration.pricing import usd_per_million_tokens
 from specgate.calibration.profiles import PROFILES, Profile
-from specgate.gateway.advisor import (
-    DailyRates,
-    Governor,
-    gain_error,
-    good_tokens_by_split,
-    recommend,
-    split_gain,
-    stretches_by_split,
-)
+from specgate.gateway.advisor import DailyRates, Governor, SplitPlan, recommend
 from specgate.policies.admission import QUEUE_FULL, REVIEW_INTERVAL_S, AdmissionQueue
 from specgate.policies.decision import Decision, Hold, Shed, Verdict
 from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, Switching, parse
@@ -170,16 +162,19 @@ class Plan:
     """One plan of a switching fleet's advisor, as the `Governor` was asked to act on it."""
 
     at_s: float
-    current: int
-    """The fleet's speculative servers when it planned."""
-    recommended: int
-    good_tokens_per_s: Mapping[int, float]
-    """Each split's planned good tokens a second, by its speculative servers."""
-    gain: float
-    """The recommended split's planned gain over the current one (`split_gain`)."""
-    gain_error: float
+    plan: SplitPlan
     step: int
     """The move the `Governor` started on it: +1, -1 or 0."""
+
+    def row(self) -> dict[str, Any]:
+        """As `specgate bench daily` writes it: when, the split it found and the one recommended,
+        each split's planned good tokens a second, the gain and its error, and the move."""
+        plan = self.plan
+        return {
+            "at_s": self.at_s, "current": plan.current, "recommended": plan.recommended,
+            "good_tokens_per_s": dict(plan.good_tokens), "gain": plan.gain, "gain_error": plan.gain_error,
+            "step": self.step,
+        }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -494,9 +489,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         daily.record(at)
     counted = 0
     """The requests whose arrivals `daily` has counted."""
-    last_plan: tuple[dict[int, float], int, dict[int, list[float]]] | None = None
-    """The last plan: each split's good tokens a second, the recommended one, and each split's good
-    tokens by stretch of its traffic."""
+    last_plan: SplitPlan | None = None
 
     def advise(now: float) -> None:
         nonlocal moving, counted, last_plan
@@ -520,13 +513,10 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             fixed = dataclasses.replace(scenario, fleet=Fleetspec(spec, replicas - spec), switching=None)
             planned = steady(window, fixed)
             splits.append({"speculative": spec, **split_figures(planned, None)})
-        good_tokens, stretches = good_tokens_by_split(splits), stretches_by_split(splits)
-        recommended = int(recommend(splits)["speculative"])
-        last_plan = (good_tokens, recommended, stretches)
-        step = governor.move(switchover.rules, good_tokens, recommended, current, replicas, now, stretches=stretches,
-                             fresh=switchover.interval_s / switchover.window_s)  # fmt: skip
-        plans.append(Plan(now, current, recommended, good_tokens, split_gain(good_tokens, recommended, current),
-                          gain_error(stretches, recommended, current), step))  # fmt: skip
+        last_plan = SplitPlan.of(splits, int(recommend(splits)["speculative"]), current)
+        fresh = switchover.interval_s / switchover.window_s
+        step = governor.move(switchover.rules, last_plan, replicas, now, fresh=fresh)
+        plans.append(Plan(now, last_plan, step))
         if step:
             start_move(step, now)
 
@@ -546,7 +536,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             heapq.heappush(events, (now + switchover.restart_s, next(order), "restarted", name))
 
     def restarted(name: str, now: float) -> None:
-        nonlocal moving
+        nonlocal moving, last_plan
         assert moving is not None
         to = moving.to
         replica = fleet.replicas[name]
@@ -563,9 +553,8 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         if last_plan is not None:
             assert switchover is not None
             current = sum(r.pool is Pool.SPECULATIVE for r in fleet.replicas.values())
-            good_tokens, recommended, stretches = last_plan
-            step = governor.move(switchover.rules, good_tokens, recommended, current, len(fleet.replicas), now,
-                                 after_move=True, stretches=stretches)  # fmt: skip
+            last_plan = dataclasses.replace(last_plan, current=current)
+            step = governor.move(switchover.rules, last_plan, len(fleet.replicas), now, after_move=True)
             if step:
                 start_move(step, now)
 

@@ -43,7 +43,7 @@ import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -141,12 +141,6 @@ def recommend(splits: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     return min(contenders, key=lambda s: (-s["slo_attainment"], tpot_p99(s)))
 
 
-def good_tokens_by_split(splits: Sequence[Mapping[str, Any]]) -> dict[int, float]:
-    """A plan's splits' good tokens a second, by their speculative servers (as `Governor.move`
-    takes them)."""
-    return {int(s["speculative"]): float(s["good_tokens_per_s"]) for s in splits}
-
-
 def split_gain(good_tokens: Mapping[int, float], target: int, current: int) -> float:
     """How much more good tokens a second the `target` split serves than the `current` one, as a
     share of the current one's (splits by their speculative servers)."""
@@ -154,16 +148,6 @@ def split_gain(good_tokens: Mapping[int, float], target: int, current: int) -> f
     if now > 0:
         return then / now - 1
     return math.inf if then > 0 else 0.0
-
-
-def stretches_by_split(splits: Sequence[Mapping[str, Any]]) -> dict[int, list[float]]:
-    """A plan's splits' good tokens a second in each stretch of its traffic
-    (`good_tokens_per_s_by_stretch`), by their speculative servers; splits without them left out."""
-    return {
-        int(s["speculative"]): [float(v) for v in s["good_tokens_per_s_by_stretch"]]
-        for s in splits
-        if s.get("good_tokens_per_s_by_stretch")
-    }
 
 
 def gain_error(stretches: Mapping[int, Sequence[float]], target: int, current: int) -> float:
@@ -178,6 +162,49 @@ def gain_error(stretches: Mapping[int, Sequence[float]], target: int, current: i
         return 0.0
     differences = [b - a for a, b in zip(now, then, strict=True)]
     return statistics.stdev(differences) * math.sqrt(len(now)) / sum(now)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """What one plan found: every split's good tokens a second, by its speculative servers, the
+    split it recommends and the one the fleet had. The live advisor and the simulator's both hand
+    it to the `Governor`, and report its gain."""
+
+    recommended: int
+    current: int
+    good_tokens: Mapping[int, float]
+    """Each split's good tokens a second (`good_tokens_per_s`)."""
+    stretches: Mapping[int, Sequence[float]] = field(default_factory=dict)
+    """Each split's good tokens a second in each stretch of the plan's traffic
+    (`good_tokens_per_s_by_stretch`); splits without them left out."""
+
+    @classmethod
+    def of(cls, splits: Sequence[Mapping[str, Any]], recommended: int, current: int) -> SplitPlan:
+        """From a plan's rows of splits (`specgate plan --json`'s `splits`)."""
+        good_tokens = {int(s["speculative"]): float(s["good_tokens_per_s"]) for s in splits}
+        stretches = {
+            int(s["speculative"]): [float(v) for v in s["good_tokens_per_s_by_stretch"]]
+            for s in splits
+            if s.get("good_tokens_per_s_by_stretch")
+        }
+        return cls(recommended, current, good_tokens, stretches)
+
+    def gain_to(self, target: int) -> float:
+        """The `target` split's gain over the current one (`split_gain`)."""
+        return split_gain(self.good_tokens, target, self.current)
+
+    def error_to(self, target: int) -> float:
+        """The standard error of `gain_to(target)` (`gain_error`)."""
+        return gain_error(self.stretches, target, self.current)
+
+    @property
+    def gain(self) -> float:
+        """The recommended split's gain over the current one."""
+        return self.gain_to(self.recommended)
+
+    @property
+    def gain_error(self) -> float:
+        return self.error_to(self.recommended)
 
 
 class TrafficWindow:
@@ -230,13 +257,9 @@ def _written(profiles: Mapping[str, Profile]) -> dict[str, Path]:
 
 @dataclass(frozen=True)
 class Advice:
-    recommended: int
-    """Speculative replicas of the recommended split."""
-    current: int
-    """Speculative replicas of the fleet as it is."""
-    gain: float
-    """The recommended split's predicted good tokens a second over the current split's, less one
-    (`split_gain`), on this traffic."""
+    plan: SplitPlan
+    """The split recommended, the fleet's as it is, and the recommended one's predicted good tokens
+    a second over the current one's (`SplitPlan.gain`), on this traffic."""
     requests: int
     slo: tuple[float, float]
     profile: str
@@ -247,16 +270,15 @@ class Advice:
     """The rate planned on, as a multiple of the window's (`DailyRates.growth`); None: as it was."""
     horizon_s: float = 0.0
     """How far ahead that rate was looked for (`Governor.horizon_s`)."""
-    gain_error: float = 0.0
-    """The standard error of `gain` from the plan's own traffic (`gain_error`)."""
 
     def view(self) -> dict[str, object]:
         """As GET /admin/fleet shows it."""
         attainment = {str(s["speculative"]): s["slo_attainment"] for s in self.splits}
         good_tokens = {str(s["speculative"]): s["good_tokens_per_s"] for s in self.splits}
+        plan = self.plan
         return {
-            "recommended_speculative_replicas": self.recommended, "current_speculative_replicas": self.current,
-            "predicted_gain": self.gain, "predicted_gain_error": self.gain_error, "requests": self.requests,
+            "recommended_speculative_replicas": plan.recommended, "current_speculative_replicas": plan.current,
+            "predicted_gain": plan.gain, "predicted_gain_error": plan.gain_error, "requests": self.requests,
             "slo_ttft_ms": self.slo[0], "slo_tpot_ms": self.slo[1], "profile": self.profile,
             "planned_at": self.planned_at, "attainment_by_speculative_replicas": attainment,
             "good_tokens_per_s_by_speculative_replicas": good_tokens, "rate_growth": self.growth,
@@ -300,38 +322,27 @@ class Governor:
         return replicas * move_s + max(rules.confirmations, 1) * interval_s
 
     def move(
-        self,
-        rules: Switching,
-        good_tokens: Mapping[int, float],
-        recommended: int,
-        current: int,
-        replicas: int,
-        now: float,
-        *,
-        after_move: bool = False,
-        stretches: Mapping[int, Sequence[float]] | None = None,
+        self, rules: Switching, plan: SplitPlan, replicas: int, now: float, *, after_move: bool = False,
         fresh: float = 1.0,
-    ) -> int:
+    ) -> int:  # fmt: skip
         """+1: a plain server should speculate now; -1: a speculative one should stop; 0: stay.
-        `good_tokens` is the planned splits' good tokens a second, by their speculative servers;
         `now` in seconds. The gain that counts is the recommended split's (within the minimum per
         pool) over the current one's, not the next step's: mixed fleets may do worse than either
         end (past saturation on some hardware), and a move toward a better end must not be stopped
         by the valley between.
 
         `after_move`: asked again of the same plan when its move has ended (the server serves in its
-        other pool, `current` counting it): the next step at once if that plan wants more of a
-        confirmed direction, no cooldown (which is between plans). A server a plan apart, a fleet
+        other pool, the plan's `current` counting it): the next step at once if that plan wants more
+        of a confirmed direction, no cooldown (which is between plans). A server a plan apart, a fleet
         took 80 minutes of a day to turn all plain for a peak its plans had seen coming.
 
-        `stretches`: the splits' good tokens in each stretch of the plan's traffic
-        (`stretches_by_split`), from which the gain's own noise (`gain_error`); None: taken as
-        exact. A streak is confirmed when its plans' gains, pooled, clear `min_gain` by
-        `rules.sigmas` standard errors of their mean: one plan of a few hundred requests cannot
-        tell splits 3% apart, three in a row that each see it can. `fresh`: the share of a plan's
-        traffic that the plan before it did not see (its interval over its window, at most 1):
-        plans of overlapping windows are not independent evidence."""
-        step, gain, error = _wanted(rules, good_tokens, recommended, current, replicas, stretches or {})
+        The plan's `stretches` give the gain's own noise (`gain_error`); none: taken as exact. A
+        streak is confirmed when its plans' gains, pooled, clear `min_gain` by `rules.sigmas`
+        standard errors of their mean: one plan of a few hundred requests cannot tell splits 3%
+        apart, three in a row that each see it can. `fresh`: the share of a plan's traffic that the
+        plan before it did not see (its interval over its window, at most 1): plans of overlapping
+        windows are not independent evidence."""
+        step, gain, error = _wanted(rules, plan, replicas)
         if after_move:
             if math.isfinite(self.moved_at):
                 self.moves_s.append(now - self.moved_at)
@@ -354,22 +365,15 @@ class Governor:
         return step
 
 
-def _wanted(
-    rules: Switching,
-    good_tokens: Mapping[int, float],
-    recommended: int,
-    current: int,
-    replicas: int,
-    stretches: Mapping[int, Sequence[float]],
-) -> tuple[int, float, float]:
+def _wanted(rules: Switching, plan: SplitPlan, replicas: int) -> tuple[int, float, float]:
     """The step toward the recommended split (within the minimum per pool) if the plan predicts it
     serves at least `min_gain` more good tokens than the current one, else 0; with that gain and
     its standard error."""
-    target = min(max(recommended, rules.min_per_pool), replicas - rules.min_per_pool)
-    step = (target > current) - (target < current)
+    target = min(max(plan.recommended, rules.min_per_pool), replicas - rules.min_per_pool)
+    step = (target > plan.current) - (target < plan.current)
     if step == 0:
         return 0, 0.0, 0.0
-    gain, error = split_gain(good_tokens, target, current), gain_error(stretches, target, current)
+    gain, error = plan.gain_to(target), plan.error_to(target)
     return (step if gain >= rules.min_gain else 0), gain, error
 
 
@@ -472,33 +476,27 @@ class Advisor:
             raise ValueError(f"specgate plan exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
         results = json.loads(out)
         splits = results["splits"]
-        good_tokens, stretches = good_tokens_by_split(splits), stretches_by_split(splits)
-        recommended = int(results["recommended"])
-        advice = Advice(
-            recommended, spec, split_gain(good_tokens, recommended, spec), len(seen), slo, profile, time.time(),
-            splits, growth, horizon_s, gain_error(stretches, recommended, spec),
-        )  # fmt: skip
-        if self.advice is None or self.advice.recommended != recommended:
+        plan = SplitPlan.of(splits, int(results["recommended"]), spec)
+        advice = Advice(plan, len(seen), slo, profile, time.time(), splits, growth, horizon_s)
+        if self.advice is None or self.advice.plan.recommended != plan.recommended:
             _log.info(
                 "advisor: %d speculative + %d plain recommended for the last %d requests at %.2f times their rate "
-                "(now %d + %d; predicted good tokens %+.1f%% +- %.1f%%)", recommended, spec + plain - recommended,
-                len(seen), growth or 1.0, spec, plain, advice.gain * 100, advice.gain_error * 100,
+                "(now %d + %d; predicted good tokens %+.1f%% +- %.1f%%)", plan.recommended,
+                spec + plain - plan.recommended, len(seen), growth or 1.0, spec, plain, plan.gain * 100,
+                plan.gain_error * 100,
             )  # fmt: skip
         self.advice = advice
         rules = self.rules()
         if rules.enabled:
             # The plan covers every split: the recommended and the current one among them.
             fresh = self.settings.interval_s / self.settings.window_s
-            step = self.governor.move(rules, good_tokens, recommended, spec, spec + plain, time.monotonic(),
-                                      stretches=stretches, fresh=fresh)  # fmt: skip
+            step = self.governor.move(rules, plan, spec + plain, time.monotonic(), fresh=fresh)
             if step and self.mover is None:
                 _log.warning("advisor: switching is enabled but this gateway cannot restart servers "
                              "(it needs a [launch] section and a policy store)")  # fmt: skip
             elif step and self.mover is not None:
-                current = spec
                 while step:  # the move ends when the server serves in its other pool
                     await self.mover(step)
-                    current += step
-                    step = self.governor.move(rules, good_tokens, recommended, current, spec + plain, time.monotonic(),
-                                              after_move=True, stretches=stretches)  # fmt: skip
+                    plan = replace(plan, current=plan.current + step)
+                    step = self.governor.move(rules, plan, spec + plain, time.monotonic(), after_move=True)
         return advice

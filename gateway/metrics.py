@@ -295,7 +295,7 @@ class GatewayMetrics:
         """The live advisor's recommendation, read when /metrics is (NaN until its first plan)."""
 
         def read(field: str) -> Callable[[], float]:
-            return lambda: float(getattr(advisor.advice, field)) if advisor.advice is not None else math.nan
+            return lambda: float(getattr(advisor.advice.plan, field)) if advisor.advice is not None else math.nan
 
         r = self.registry
         recommended = Gauge("specgate_recommended_speculative_replicas", "Speculative replicas of the split "

@@ -22,11 +22,11 @@ from specgate.gateway.advisor import (
     DailyRates,
     Governor,
     Seen,
+    SplitPlan,
     TrafficWindow,
     commonest_slo,
     gain_error,
     split_gain,
-    stretches_by_split,
     trace_csv,
 )
 from specgate.policies.document import Switching
@@ -118,16 +118,16 @@ RULES = Switching(enabled=True, min_per_pool=1, confirmations=2, min_gain=0.01, 
 def test_the_governor_moves_one_server_after_plans_agree_and_waits_after_a_move() -> None:
     want_more = {1: 800.0, 2: 850.0, 3: 860.0, 4: 870.0}  # good tokens a second, by speculative servers
     g = Governor()
-    assert g.move(RULES, want_more, 4, 1, 4, now=0.0) == 0  # one plan is not enough
-    assert g.move(RULES, want_more, 4, 1, 4, now=10.0) == 1  # a step toward the recommendation
-    assert g.move(RULES, want_more, 4, 2, 4, now=20.0) == 0
-    assert g.move(RULES, want_more, 4, 2, 4, now=30.0) == 0  # agreed, but within the cooldown
-    assert g.move(RULES, want_more, 4, 2, 4, now=80.0) == 1
+    assert g.move(RULES, SplitPlan(4, 1, want_more), 4, now=0.0) == 0  # one plan is not enough
+    assert g.move(RULES, SplitPlan(4, 1, want_more), 4, now=10.0) == 1  # a step toward the recommendation
+    assert g.move(RULES, SplitPlan(4, 2, want_more), 4, now=20.0) == 0
+    assert g.move(RULES, SplitPlan(4, 2, want_more), 4, now=30.0) == 0  # agreed, but within the cooldown
+    assert g.move(RULES, SplitPlan(4, 2, want_more), 4, now=80.0) == 1
     # Never below the minimum of a pool: 4 of 4 speculative would leave no plain server.
-    assert Governor().move(RULES, want_more, 4, 3, 4, now=0.0) == 0
+    assert Governor().move(RULES, SplitPlan(4, 3, want_more), 4, now=0.0) == 0
     flat = {1: 850.0, 2: 853.0, 3: 857.0}  # less than 1% more good tokens: not worth a restart
     g = Governor()
-    assert [g.move(RULES, flat, 3, 1, 4, now=t) for t in (0.0, 100.0, 200.0)] == [0, 0, 0]
+    assert [g.move(RULES, SplitPlan(3, 1, flat), 4, now=t) for t in (0.0, 100.0, 200.0)] == [0, 0, 0]
 
 
 def test_the_governor_follows_a_confirmed_direction_a_server_each_cooldown() -> None:
@@ -135,20 +135,26 @@ def test_the_governor_follows_a_confirmed_direction_a_server_each_cooldown() -> 
     flat = dict.fromkeys(range(5), 800.0)
     rules = msgspec.structs.replace(RULES, min_per_pool=0)
     g = Governor()
-    steps = [g.move(rules, more, 4, current, 4, now=t) for t, current in ((0.0, 0), (60.0, 0), (120.0, 1), (180.0, 2))]
+    steps = [
+        g.move(rules, SplitPlan(4, current, more), 4, now=t)
+        for t, current in ((0.0, 0), (60.0, 0), (120.0, 1), (180.0, 2))
+    ]
     assert steps == [0, 1, 1, 1]  # confirmed once, then one server a plan (a cooldown apart) toward the target
-    assert g.move(rules, flat, 3, 3, 4, now=240.0) == 0  # a plan that sees nothing to gain ends it
-    assert g.move(rules, more, 4, 3, 4, now=300.0) == 0  # and the direction must be confirmed anew
-    assert g.move(rules, more, 4, 3, 4, now=360.0) == 1
+    assert g.move(rules, SplitPlan(3, 3, flat), 4, now=240.0) == 0  # a plan that sees nothing to gain ends it
+    assert g.move(rules, SplitPlan(4, 3, more), 4, now=300.0) == 0  # and the direction must be confirmed anew
+    assert g.move(rules, SplitPlan(4, 3, more), 4, now=360.0) == 1
 
 
 def test_the_governor_forgets_a_streak_when_the_plans_change_their_mind() -> None:
     more, fewer = {1: 800.0, 2: 850.0, 3: 900.0}, {1: 900.0, 2: 850.0, 3: 800.0}
     g = Governor()
-    steps = [g.move(RULES, a, r, 2, 4, now=100.0 * i) for i, (a, r) in enumerate([(more, 3), (fewer, 1), (more, 3)])]
+    steps = [
+        g.move(RULES, SplitPlan(r, 2, a), 4, now=100.0 * i)
+        for i, (a, r) in enumerate([(more, 3), (fewer, 1), (more, 3)])
+    ]
     assert steps == [0, 0, 0]
-    assert g.move(RULES, more, 3, 2, 4, now=400.0) == 1
-    assert Governor().move(msgspec.structs.replace(RULES, confirmations=1), fewer, 1, 2, 4, now=0.0) == -1
+    assert g.move(RULES, SplitPlan(3, 2, more), 4, now=400.0) == 1
+    assert Governor().move(msgspec.structs.replace(RULES, confirmations=1), SplitPlan(1, 2, fewer), 4, now=0.0) == -1
 
 
 async def test_the_advisor_switches_a_server_when_its_plans_agree() -> None:
@@ -169,7 +175,7 @@ async def test_the_advisor_switches_a_server_when_its_plans_agree() -> None:
         advisor.window.record(Seen(start + r.arrival_s, r.prompt_tokens, r.output_tokens, 2000.0, 40.0))
     first = await advisor.plan_once()
     assert first is not None
-    assert first.recommended > 1
+    assert first.plan.recommended > 1
     assert moves == []  # once is not enough
     await advisor.plan_once()
     # 1 + 3 to 3 + 1 (one plain server kept): a server at a time, the second as the first is back
@@ -218,16 +224,20 @@ def test_once_a_direction_is_confirmed_the_next_server_moves_as_the_last_is_back
     plain_wins = {0: 900.0, 1: 850.0, 2: 800.0, 3: 750.0, 4: 700.0}
     rules = msgspec.structs.replace(RULES, min_per_pool=0)  # cooldown 60 s
     g = Governor()
-    assert g.move(rules, plain_wins, 0, 4, 4, now=0.0, after_move=True) == 0  # no direction confirmed yet
-    assert [g.move(rules, plain_wins, 0, 4, 4, now=t) for t in (0.0, 100.0)] == [0, -1]
-    assert [g.move(rules, plain_wins, 0, current, 4, now=101.0, after_move=True) for current in (3, 2, 1, 0)] == [
+    assert g.move(rules, SplitPlan(0, 4, plain_wins), 4, now=0.0, after_move=True) == 0  # no direction confirmed yet
+    assert [g.move(rules, SplitPlan(0, 4, plain_wins), 4, now=t) for t in (0.0, 100.0)] == [0, -1]
+    assert [
+        g.move(rules, SplitPlan(0, current, plain_wins), 4, now=101.0, after_move=True) for current in (3, 2, 1, 0)
+    ] == [
         -1,
         -1,
         -1,
         0,
     ]
-    assert g.move(rules, plain_wins, 0, 1, 4, now=120.0) == 0  # the cooldown still spaces the plans' moves
-    assert g.move(rules, {**plain_wins, 0: 855.0}, 0, 1, 4, now=121.0, after_move=True) == 0  # not worth min_gain
+    assert g.move(rules, SplitPlan(0, 1, plain_wins), 4, now=120.0) == 0  # the cooldown still spaces the plans' moves
+    assert (
+        g.move(rules, SplitPlan(0, 1, {**plain_wins, 0: 855.0}), 4, now=121.0, after_move=True) == 0
+    )  # not worth min_gain
 
 
 def test_plans_look_ahead_as_long_as_the_moves_take() -> None:
@@ -237,9 +247,9 @@ def test_plans_look_ahead_as_long_as_the_moves_take() -> None:
     rules = msgspec.structs.replace(RULES, min_per_pool=0)
     g = Governor()
     assert g.horizon_s(rules, 60.0, 4) == 120.0  # no move seen: nothing known of their time
-    assert [g.move(rules, plain_wins, 0, 4, 4, now=t) for t in (0.0, 100.0)] == [0, -1]
-    assert g.move(rules, plain_wins, 0, 3, 4, now=130.0, after_move=True) == -1
-    assert g.move(rules, plain_wins, 0, 2, 4, now=150.0, after_move=True) == -1
+    assert [g.move(rules, SplitPlan(0, 4, plain_wins), 4, now=t) for t in (0.0, 100.0)] == [0, -1]
+    assert g.move(rules, SplitPlan(0, 3, plain_wins), 4, now=130.0, after_move=True) == -1
+    assert g.move(rules, SplitPlan(0, 2, plain_wins), 4, now=150.0, after_move=True) == -1
     assert g.horizon_s(rules, 60.0, 4) == 4 * 25.0 + 120.0  # moves of 30 and 20 s
     assert g.horizon_s(rules, 60.0, 8) == 8 * 25.0 + 120.0
 
@@ -250,7 +260,7 @@ def test_the_governor_crosses_a_valley_toward_the_better_end() -> None:
     valley = {0: 790.0, 1: 740.0, 2: 730.0, 3: 740.0, 4: 750.0}
     rules = msgspec.structs.replace(RULES, min_per_pool=0, confirmations=1, cooldown_ms=0)
     g = Governor()
-    assert [g.move(rules, valley, 0, current, 4, now=10.0 - current) for current in (4, 3, 2, 1)] == [-1] * 4
+    assert [g.move(rules, SplitPlan(0, current, valley), 4, now=10.0 - current) for current in (4, 3, 2, 1)] == [-1] * 4
 
 
 def test_a_split_gains_the_share_of_good_tokens_it_adds() -> None:
@@ -259,7 +269,9 @@ def test_a_split_gains_the_share_of_good_tokens_it_adds() -> None:
     assert split_gain({0: 0.0, 4: 10.0}, 4, 0) == math.inf  # from nothing met, anything is worth a move
     assert split_gain({0: 0.0, 4: 0.0}, 4, 0) == 0.0
     assert math.isnan(split_gain({0: 800.0}, 4, 0))  # a split the plan did not cover
-    assert Governor().move(msgspec.structs.replace(RULES, confirmations=1), {1: 800.0}, 3, 1, 4, now=0.0) == 0
+    assert (
+        Governor().move(msgspec.structs.replace(RULES, confirmations=1), SplitPlan(3, 1, {1: 800.0}), 4, now=0.0) == 0
+    )
 
 
 def test_a_move_needs_a_gain_that_stands_out_of_the_plans_own_noise() -> None:
@@ -274,11 +286,11 @@ def test_a_move_needs_a_gain_that_stands_out_of_the_plans_own_noise() -> None:
         stretches = {0: plain, 4: speculative}
         good_tokens = {0: sum(plain) / 10, 4: 1000.0}
         assert split_gain(good_tokens, 0, 4) == pytest.approx(0.05)
-        assert Governor().move(rules, good_tokens, 0, 4, 4, now=0.0, stretches=stretches) == moves
+        assert Governor().move(rules, SplitPlan(0, 4, good_tokens, stretches), 4, now=0.0) == moves
         # Without the stretches, or with the noise not asked for (the default), the figure is exact.
-        assert Governor().move(rules, good_tokens, 0, 4, 4, now=0.0) == -1
+        assert Governor().move(rules, SplitPlan(0, 4, good_tokens), 4, now=0.0) == -1
         exact = msgspec.structs.replace(rules, sigmas=0.0)
-        assert Governor().move(exact, good_tokens, 0, 4, 4, now=0.0, stretches=stretches) == -1
+        assert Governor().move(exact, SplitPlan(0, 4, good_tokens, stretches), 4, now=0.0) == -1
     assert gain_error({0: steady, 4: speculative}, 0, 4) == pytest.approx(0.0023, abs=0.0005)
     assert gain_error({0: lucky, 4: speculative}, 0, 4) == pytest.approx(0.050, abs=0.002)
     assert gain_error({0: lucky}, 0, 4) == 0.0  # a split the plan gave no stretches: nothing known
@@ -297,11 +309,12 @@ def test_a_streak_of_plans_pools_its_evidence_before_it_moves() -> None:
     assert split_gain(good_tokens, 0, 1) == pytest.approx(0.03)
     assert 0.02 < error < 0.04  # one plan: 3% +- 3%, within its own noise
     rules = msgspec.structs.replace(RULES, min_per_pool=0, confirmations=1, cooldown_ms=0, sigmas=1.0)
+    found = SplitPlan(0, 1, good_tokens, stretches)
 
     def plans_to_move(fresh: float) -> int:
         g = Governor()
         for plan in range(1, 20):
-            if g.move(rules, good_tokens, 0, 1, 4, now=float(plan), stretches=stretches, fresh=fresh):
+            if g.move(rules, found, 4, now=float(plan), fresh=fresh):
                 return plan
         return 0
 
@@ -311,22 +324,21 @@ def test_a_streak_of_plans_pools_its_evidence_before_it_moves() -> None:
     assert plans_to_move(0.0) == 0  # the same traffic planned again is no more evidence
     g = Governor()
     for plan in range(2):
-        g.move(rules, good_tokens, 0, 1, 4, now=float(plan), stretches=stretches)
+        g.move(rules, found, 4, now=float(plan))
     view = g.view()
     assert (view["direction"], view["plans"], view["confirmed"]) == (-1, 2, False)
     assert view["pooled_gain"] == pytest.approx(0.03)
     assert view["pooled_gain_error"] == pytest.approx(error / math.sqrt(2))
     # A plan that stops wanting the move ends the streak and its evidence.
     g = Governor()
-    assert g.move(rules, good_tokens, 0, 1, 4, now=1.0, stretches=stretches) == 0
-    assert g.move(rules, good_tokens, 0, 1, 4, now=2.0, stretches=stretches) == 0
-    assert g.move(rules, {0: 1000.0, 1: 1000.0}, 0, 1, 4, now=3.0, stretches=stretches) == 0
+    assert g.move(rules, found, 4, now=1.0) == 0
+    assert g.move(rules, found, 4, now=2.0) == 0
+    assert g.move(rules, SplitPlan(0, 1, {0: 1000.0, 1: 1000.0}, stretches), 4, now=3.0) == 0
     assert g.evidence == []
     assert not g.confirmed
-    assert g.move(rules, good_tokens, 0, 1, 4, now=4.0, stretches=stretches) == 0
+    assert g.move(rules, found, 4, now=4.0) == 0
     # Without the noise asked for, the plans' figures count as exact, as before.
-    assert Governor().move(msgspec.structs.replace(rules, sigmas=0.0), good_tokens, 0, 1, 4, now=0.0,
-                           stretches=stretches) == -1  # fmt: skip
+    assert Governor().move(msgspec.structs.replace(rules, sigmas=0.0), found, 4, now=0.0) == -1
 
 
 def test_the_plans_stretches_are_read_by_split() -> None:
@@ -334,4 +346,7 @@ def test_the_plans_stretches_are_read_by_split() -> None:
         {"speculative": 0, "good_tokens_per_s": 1.0, "good_tokens_per_s_by_stretch": [1.0, 1.0]},
         {"speculative": 1, "good_tokens_per_s": 2.0},  # a plan from before the stretches
     ]
-    assert stretches_by_split(rows) == {0: [1.0, 1.0]}
+    plan = SplitPlan.of(rows, 1, 0)
+    assert plan.stretches == {0: [1.0, 1.0]}
+    assert plan.good_tokens == {0: 1.0, 1: 2.0}
+    assert (plan.gain, plan.gain_error) == (1.0, 0.0)  # no stretches of the recommended split: nothing known

@@ -232,10 +232,10 @@ def test_a_switching_fleet_moves_servers_and_loses_no_request() -> None:
     # Every plan is kept: the first move began at the first plan that asked for it, which saw the
     # fleet all plain and a gain in the recommended split.
     first = next(plan for plan in result.plans if plan.step)
-    assert (first.at_s, first.current, first.step) == (drained, 0, 1)
-    assert first.recommended > 0
-    assert first.gain >= rules.min_gain
-    assert first.good_tokens_per_s[first.recommended] > first.good_tokens_per_s[0]
+    assert (first.at_s, first.plan.current, first.step) == (drained, 0, 1)
+    assert first.plan.recommended > 0
+    assert first.plan.gain >= rules.min_gain
+    assert first.plan.good_tokens[first.plan.recommended] > first.plan.good_tokens[0]
     assert [p.at_s for p in result.plans] == sorted(p.at_s for p in result.plans)
     fixed = simulate(trace, dataclasses.replace(scenario, switching=None)).summary()["slo_attainment"]
     assert result.summary()["slo_attainment"] > fixed + 0.2
