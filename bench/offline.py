@@ -4,7 +4,8 @@ Discrete-event: requests arrive as the (rate-scaled) trace says; each replica is
 model the simulated replica serves (`workers.sim.engine`); routing is the same policy code the
 gateway runs, deciding on the same `Fleet` accounting — scraped load refreshed only every scrape
 interval (stale, as in production) plus the gateway's own exact in-flight counts, and the pools'
-fitted step costs and learned output lengths fed by the requests that finish.
+fitted step costs and learned output lengths fed by the requests that finish (lengths in the
+order their requests arrived, as the gateway learns them).
 
 The policy never sees a request's true output length: requests carry a realistic `max_tokens`
 cap, and only the `exact` hint scenario hands the true length over as the client's hint.
@@ -33,7 +34,7 @@ from specgate.policies.decision import Decision, Hold, Shed, Verdict
 from specgate.policies.document import SCHEMA_VERSION, PolicyDocument, Switching, parse
 from specgate.policies.features import RequestFeatures, SloTargets
 from specgate.policies.latency_model import LatencyModel
-from specgate.policies.length import LengthStats
+from specgate.policies.length import LengthStats, Pending
 from specgate.sim.engine import Engine, EngineConfig
 from specgate.sim.outcomes import StepResult
 from specgate.workers.acceptance import SpecCounters
@@ -316,6 +317,8 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
     for i, (name, replica) in enumerate(fleet.replicas.items()):
         sims[name] = _SimReplica(Engine(profile, replica.pool, EngineConfig(), seed=scenario.seed * 1000 + i))
     lengths = [LengthStats() for _ in gateways]
+    learning: dict[str, Pending | None] = {}
+    """Requests admitted and not yet ended, by id: their lengths, for their gateway to learn."""
 
     events: list[tuple[float, int, str, object]] = []
     order = itertools.count()
@@ -369,6 +372,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         cap = max_tokens(profile, request.prompt_tokens)
         slo = scenario.slo_for(request.request_class)
         gateway = index % scenario.gateways
+        learning[f"r{index}"] = lengths[gateway].begin(MODEL, request.prompt_tokens, now, request.request_class)
         features = RequestFeatures(
             model=MODEL,
             stream=True,
@@ -400,12 +404,13 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
                 return
             verdict = Shed(QUEUE_FULL, 1.0)
         del waiting[index]
+        request_id = f"r{index}"
         if not isinstance(verdict, Decision):
             refused.append((request.arrival_s, verdict.reason if verdict is not None else "no-replica"))
+            lengths[gateway].end(learning.pop(request_id), None, now)
             return
         name = verdict.replica.name
         stay = fleets[gateway].replicas[name].dispatched_one(request.prompt_tokens, now)
-        request_id = f"r{index}"
         routed[request_id] = (request, name, verdict, now - request.arrival_s, stay, gateway)
         output = min(request.output_tokens, max_tokens(profile, request.prompt_tokens))
         # The request accepts drafts as its content does, wherever it goes: every policy and every
@@ -448,7 +453,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             replica.finished(got_first_byte=True, now=step.end)
             assert done.ttft is not None
             replica.observe(done.ttft, done.tpot, decision.terms, stay, step.end, done.step)
-            lengths[gateway].observe(MODEL, request.prompt_tokens, done.output_tokens, request.request_class)
+            lengths[gateway].end(learning.pop(done.request_id), done.output_tokens, step.end)
             slo = scenario.slo_for(request.request_class)
             served.append(
                 Served(  # as the client sees it: the wait in the gateway's queue included

@@ -71,9 +71,7 @@ class Feedback:
             self.metrics.tokens.add(replica.pool, outcome.generated, time.monotonic())
             self._seen(journey, outcome.generated)
         if outcome.completion_tokens is not None:
-            self.lengths.observe(
-                features.model, features.prompt_tokens, outcome.completion_tokens, headers.request_class
-            )
+            self.lengths.end(journey.length, outcome.completion_tokens, time.monotonic())
         if outcome.streamed:
             _, predicted_tpot_s = decision.predicted_s
             replica.observe(outcome.ttft_s, outcome.tpot_s, decision.terms, outcome.stay, outcome.ended, outcome.step_s)

@@ -19,6 +19,7 @@ from specgate.gateway.sla import REQUEST_ID, RoutingHeaders
 from specgate.gateway.tracing import Span
 from specgate.policies.drafts import Group
 from specgate.policies.features import RequestFeatures
+from specgate.policies.length import Pending
 from specgate.policies.registry import RoutingPlan
 from specgate.protocol.endpoints import Endpoint
 
@@ -49,6 +50,8 @@ class Journey:
     """Names of the replicas tried so far, in order."""
     span: Span | None = None
     """Its trace span, when tracing is on and it is sampled; None once ended."""
+    length: Pending | None = None
+    """Its output length, for its group to learn in the order requests arrived (`policies/length.py`)."""
 
     @property
     def request_class(self) -> str:

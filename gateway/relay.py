@@ -143,6 +143,8 @@ class Relay:
         except GatewayError as error:
             self.feedback.refused(journey, error)
             raise
+        fields = journey.fields
+        journey.length = self.lengths.begin(fields.model, fields.prompt_tokens, journey.arrived, journey.request_class)
         self.routing += 1
         try:
             return await self._route(journey)
@@ -151,6 +153,7 @@ class Relay:
             raise
         finally:
             self.routing -= 1
+            self.lengths.end(journey.length, None, time.monotonic())  # unless answered with its length
             if key is not None and self.clients is not None:
                 self.clients.release(key)
 

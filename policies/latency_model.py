@@ -13,11 +13,12 @@ one that ends):
   there is one, else this request's prompt plus half its expected output); a speculative replica
   divides its draft-and-verify step by the tokens per step it was last seen to emit (the profile's
   mean until scraped), times what requests like this one get over that mean (`policies/drafts.py`).
-  Chunked prefill of the prompts still arriving rides along and slows those
-  steps: at the replica's recent rate of prompt tokens, that prefill takes a share f of its time,
-  and TPOT is divided by 1 - f; and however recent the rate, a batch of B + 1 is replaced about
-  once in the lifetime of each of its requests, so their prefills, spread over this request's
-  output tokens, are added to it if that comes to more.
+  Chunked prefill of the prompts still arriving rides along and slows those steps: at the
+  replica's recent rate of prompt tokens (a burst's excess over its steady rate counted for about
+  as long again as the burst has lasted, not the request's whole life), that prefill takes a share f
+  of its time, and TPOT is divided by 1 - f; and however recent the rate, a batch of B + 1 is
+  replaced about once in the lifetime of each of its requests, so their prefills, spread over
+  this request's output tokens, are added to it if that comes to more.
 - Harm: what joining costs the B requests already there: the steps that prefill this prompt stall
   all of them, and every later step is slower by the rise in step time from B to B + 1, for as
   many steps as this request stays; summed over the B requests.
@@ -235,15 +236,16 @@ class LatencyModel:
         # What prefilling one prompt token costs the decoding batch, as the profile prices it: the
         # rate of prompts is measured in real time, and the prefill scale brings it there.
         per_token_ms = max(self._terms(pool, running + 1, context, prompt)[2], 0.0) / prompt
-        arriving = replica.prefill_tokens_per_s / replica.arrivals_per_s if replica.arrivals_per_s > 0 else prompt
         factor = scales.tpot_factor
-        stall_ms = arriving * per_token_ms * scales.prefill * factor
         decode_tpot = joined_ms / tokens_per_step * factor
         gaps = max(output - 1, 1)
         # Prompts arriving while this request waits for its first token, and while it decodes,
-        # each stall its decoding once: at the replica's recent rate, over a life that the stalls
-        # themselves lengthen (so TPOT is divided by 1 - the share of time spent prefilling).
-        rate = replica.arrivals_per_s
+        # each stall its decoding once: at the replica's recent rate (a burst's for about as long
+        # again as it has lasted), over a life that the stalls themselves lengthen (so TPOT is
+        # divided by 1 - the share of time spent prefilling).
+        rate, tokens_per_s = replica.prompt_rates((ttft_ms + decode_tpot * gaps) / 1e3)
+        arriving = tokens_per_s / rate if rate > 0 else prompt
+        stall_ms = arriving * per_token_ms * scales.prefill * factor
         share = min(rate * stall_ms / 1e3, MAX_PREFILL_SHARE)
         queued_stalls = rate * ttft_ms / 1e3 * arriving * per_token_ms / gaps  # times the prefill scale
         tpot = (decode_tpot + queued_stalls * scales.prefill * factor) / (1.0 - share)

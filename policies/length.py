@@ -7,11 +7,22 @@ estimate never exceeds the request's `max_tokens`.
 
 The priors are the Azure LLM inference traces' mean outputs by prompt size (conversation and code
 together): long prompts (code completion, retrieval) tend to produce short answers.
+
+Lengths are learned in the order their requests arrived, not the order they finish (`begin`,
+`end`). Short answers finish first: when requests pour in (a burst, a gateway started under load)
+the first dozens to finish are the shortest of them, and a mean taken as they finish would fall to
+a fraction of the group's (a burst of conversation requests: 14 tokens learned, 217 the median
+sent), which prices every request of the group as a short life its prefill stalls dominate. So a
+length finished waits until those of every request of its group that arrived before it are known;
+one still running after `MAX_WAIT_S` holds back no more and is learned when it ends. Even so, the
+few first known are those before the first long answer, still running: a group's first lengths
+are averaged with its band's prior, worth `PRIOR_WEIGHT` of them, until its own outweigh it.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass, field
 
 from specgate.policies.means import GroupMeans
@@ -21,24 +32,91 @@ BAND_EDGES = (256, 1024, 4096)
 PRIORS = (200, 200, 150, 60)
 """Cold-start expected output tokens per band."""
 SMOOTHING = 0.05
+PRIOR_WEIGHT = 10
+"""How many lengths a band's prior is worth to a group that starts learning: the first few to be
+known are the first few to finish, not a fair sample (see above), and do not replace it alone."""
 MAX_GROUPS = 4096
 """Groups learned at most. `x-request-class` is the client's to choose: a client sending a new class
 with every request must not grow the gateway's memory without end. Once this many are known, a
 new group is not learned (its requests get their band's prior)."""
+MAX_WAIT_S = 120.0
+"""How long a request still running holds back the lengths of its group's later ones: a few
+thousand tokens' answer; past that, learning does not wait on it."""
+MAX_PENDING = 4096
+"""Requests of one group waiting for their length to be learned, at most; past that, a request's
+length is not learned (those learned stay a fair sample of the group's)."""
+
+Key = tuple[str, int, str]
 
 
 def band(prompt_tokens: int) -> int:
     return bisect.bisect_right(BAND_EDGES, prompt_tokens)
 
 
+@dataclass(eq=False)
+class Pending:
+    """A request whose output length its group learns, from its arrival to its end."""
+
+    key: Key
+    arrived: float
+    length: int | None = None
+    ended: bool = False
+    queued: bool = True
+    """In its group's queue: the lengths of those that arrived after it wait for its own."""
+
+
 @dataclass
 class LengthStats:
     """Mutable, owned by whoever routes (the gateway, the offline simulator); read by `expected`."""
 
-    groups: GroupMeans[tuple[str, int, str]] = field(default_factory=lambda: GroupMeans(SMOOTHING, MAX_GROUPS))
+    groups: GroupMeans[Key] = field(default_factory=lambda: GroupMeans(SMOOTHING, MAX_GROUPS, PRIOR_WEIGHT))
+    _queues: dict[Key, deque[Pending]] = field(default_factory=dict)
+    """Per group, its requests begun and not yet learned, in the order they arrived."""
 
     def observe(self, model: str, prompt_tokens: int, output_tokens: int, request_class: str = "") -> None:
-        self.groups.observe((model, band(prompt_tokens), request_class), output_tokens)
+        """Learn one length at once (lengths of requests in flight: `begin` and `end`)."""
+        self._learn((model, band(prompt_tokens), request_class), output_tokens)
+
+    def begin(self, model: str, prompt_tokens: int, now: float, request_class: str = "") -> Pending | None:
+        """A request arrived (`now`, on a clock `end` shares); None when its length is not learned."""
+        key = (model, band(prompt_tokens), request_class)
+        if not self.groups.learns(key):
+            return None
+        queue = self._queues.setdefault(key, deque())
+        if len(queue) >= MAX_PENDING:
+            return None
+        pending = Pending(key, now)
+        queue.append(pending)
+        self._release(key, now)  # a request long stuck at the head no longer holds back
+        return pending
+
+    def end(self, pending: Pending | None, output_tokens: int | None, now: float) -> None:
+        """The request ended `now`, having produced `output_tokens` (None: its length is not known,
+        a request refused or failed). Ending it again changes nothing."""
+        if pending is None or pending.ended:
+            return
+        pending.ended, pending.length = True, output_tokens
+        if pending.queued:
+            self._release(pending.key, now)
+        elif output_tokens is not None:
+            self._learn(pending.key, output_tokens)
+
+    def _release(self, key: Key, now: float) -> None:
+        """Learn the group's lengths known in the order they arrived, up to its first still running."""
+        queue = self._queues[key]
+        while queue:
+            head = queue[0]
+            if not head.ended and now - head.arrived < MAX_WAIT_S:
+                break
+            queue.popleft()
+            head.queued = False
+            if head.length is not None:
+                self._learn(key, head.length)
+        if not queue:
+            del self._queues[key]
+
+    def _learn(self, key: Key, length: int) -> None:
+        self.groups.observe(key, length, PRIORS[key[1]])
 
     def expected(
         self,

@@ -1,7 +1,8 @@
 """Means learned online per group of requests, in bounded memory.
 
 Each group keeps the mean of what was observed for it: a plain mean while few observations are
-known, then a smoothed one that follows drift. A group is whatever the caller keys it by, and
+known (with the caller's prior, if it gives one, counted as `prior_weight` of them), then a
+smoothed one that follows drift. A group is whatever the caller keys it by, and
 callers key by what clients send (`x-request-class`): once `max_groups` are known a new group is
 not learned, so a client inventing a class per request cannot grow the gateway's memory.
 """
@@ -23,11 +24,19 @@ def running_mean(old: float | None, value: float, n: int, smoothing: float) -> f
 class GroupMeans(Generic[K]):
     smoothing: float
     max_groups: int
+    prior_weight: int = 0
+    """How many observations a prior given to `observe` is worth."""
     means: dict[K, float] = field(default_factory=dict)
     counts: dict[K, int] = field(default_factory=dict)
 
-    def observe(self, key: K, value: float) -> None:
-        if key not in self.counts and len(self.counts) >= self.max_groups:
+    def learns(self, key: K) -> bool:
+        """Whether `key` is learned: known, or there is room for a new group."""
+        return key in self.counts or len(self.counts) < self.max_groups
+
+    def observe(self, key: K, value: float, prior: float | None = None) -> None:
+        """Learn `value` for `key`; `prior`, what the group was taken to be before it was observed."""
+        if not self.learns(key):
             return
         n = self.counts[key] = self.counts.get(key, 0) + 1
-        self.means[key] = running_mean(self.means.get(key), value, n, self.smoothing)
+        weight = self.prior_weight if prior is not None else 0
+        self.means[key] = running_mean(self.means.get(key, prior), value, n + weight, self.smoothing)

@@ -28,6 +28,7 @@ from specgate.gateway.app import make_app, make_runner
 from specgate.gateway.clients import ClientKey, hashed
 from specgate.gateway.config import AuthSettings, GatewaySettings, Retries, Timeouts
 from specgate.gateway.server import Limits
+from specgate.gateway.state import RELAY
 from specgate.policies.decision import Shedding
 from specgate.policies.document import PolicyDocument
 from specgate.testing import SimProcess, running_app, sample_value
@@ -114,6 +115,33 @@ async def test_chat_streaming(gateway: str) -> None:
     assert len(text.split()) == 30
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 30
+
+
+async def test_output_lengths_are_learned_in_the_order_their_requests_arrived(
+    fleet: dict[Pool, list[SimProcess]],
+) -> None:
+    settings = settings_for(urls(fleet))
+    app = make_app(settings)
+    async with running_app(app, make_runner(app, dataclasses.replace(settings, shutdown_grace_s=1.0))) as url:
+        relay = app[RELAY]
+
+        async def ask(max_tokens: int) -> int:
+            async with client(url) as api:
+                reply = await api.chat.completions.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=max_tokens, extra_body={"ignore_eos": True}
+                )
+            assert reply.usage is not None
+            return reply.usage.completion_tokens
+
+        long = asyncio.create_task(ask(1000))
+        await asyncio.sleep(0.2)
+        assert relay.routing == 1  # the long one has arrived (and runs for seconds)
+        assert list(await asyncio.gather(ask(4), ask(4), ask(4))) == [4, 4, 4]
+        assert not long.done()
+        assert relay.lengths.groups.counts == {}  # the short answers wait for the long one's
+        assert await long == 1000
+    assert sum(relay.lengths.groups.counts.values()) == 4
+    assert not relay.lengths._queues  # nothing held once every request has ended
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -14,7 +14,7 @@ from specgate.policies.latency_model import LatencyModel
 from specgate.sim.probes import run_alone
 from specgate.workers.latency_fit import LatencyFit, predicted_ms
 from specgate.workers.pools import Fleet, FleetSettings, Replica
-from specgate.workers.snapshot import ReplicaState, Scales
+from specgate.workers.snapshot import Burst, ReplicaState, Scales
 
 FEATURES = RequestFeatures(
     model="m", stream=True, prompt_tokens=512, max_tokens=None, expected_output_tokens=256, slo_ttft_ms=None,
@@ -58,6 +58,27 @@ def test_predictions_move_with_state(changes: dict[str, float], ttft: str, tpot:
         before, after = getattr(base, name), getattr(moved, name)
         expected = {"up": after > before * 1.01, "down": after < before * 0.99, "same": after == pytest.approx(before)}
         assert expected[direction], (name, before, after)
+
+
+@pytest.mark.parametrize("pool", list(Pool))
+def test_a_burst_of_prompts_stalls_a_short_life_all_through_and_a_long_one_only_at_its_start(pool: Pool) -> None:
+    model = LatencyModel(A100_CODELLAMA_34B)
+    steady = {"in_flight": 4, "arrivals_per_s": 0.5, "prefill_tokens_per_s": 500.0}
+    burst = Burst(arrivals_per_s=8.0, prefill_tokens_per_s=8000.0, lasted_s=2.0)
+
+    def tpot(output: int, **changes: object) -> float:
+        features = replace(FEATURES, expected_output_tokens=output)
+        return model.predict(idle(pool, **{**steady, **changes}), features).tpot_ms
+
+    short, long = 8, 2000
+    # A life shorter than the burst has lasted: as if its rate held all through.
+    assert tpot(short, burst=burst) == pytest.approx(
+        tpot(short, arrivals_per_s=burst.arrivals_per_s, prefill_tokens_per_s=burst.prefill_tokens_per_s), rel=0.05
+    )
+    # A life of a minute or more: close to the steady rate, the burst's stalls spread over it.
+    at_steady, with_burst = tpot(long), tpot(long, burst=burst)
+    all_burst = tpot(long, arrivals_per_s=burst.arrivals_per_s, prefill_tokens_per_s=burst.prefill_tokens_per_s)
+    assert at_steady < with_burst < at_steady + (all_burst - at_steady) * 0.2
 
 
 def test_observed_tokens_per_step_replace_the_profiles() -> None:

@@ -1,6 +1,12 @@
 import pytest
 
-from specgate.policies.length import MAX_GROUPS, PRIORS, LengthStats, band
+from specgate.policies.length import MAX_GROUPS, MAX_PENDING, MAX_WAIT_S, PRIOR_WEIGHT, PRIORS, LengthStats, band
+
+
+def with_prior(*lengths: int) -> int:
+    """What a group of the first band expects after its first few `lengths`: their mean with the
+    band's prior, worth `PRIOR_WEIGHT` of them."""
+    return round((PRIORS[0] * PRIOR_WEIGHT + sum(lengths)) / (PRIOR_WEIGHT + len(lengths)))
 
 
 @pytest.mark.parametrize(
@@ -18,7 +24,8 @@ def test_bands(prompt: int, expected: int) -> None:
         ([], 100, None, 50, 50),  # never above max_tokens
         ([], 100, 700, None, 700),  # the client's hint wins
         ([], 100, 700, 300, 300),  # ... within max_tokens
-        ([(100, 10), (120, 30)], 150, None, None, 20),  # a plain mean while few are known
+        # the first lengths known, averaged with the band's prior, worth PRIOR_WEIGHT of them
+        ([(100, 10), (120, 30)], 150, None, None, with_prior(10, 30)),
         ([(100, 10), (120, 30)], 2000, None, None, PRIORS[2]),  # another band has not learned
     ],
 )
@@ -50,5 +57,66 @@ def test_a_client_inventing_classes_cannot_grow_the_learned_groups_without_end()
     assert len(stats.groups.means) == len(stats.groups.counts) == MAX_GROUPS
     # The groups known before still learn; a new one gets its band's prior.
     stats.observe("m", 100, 60, "chat")
-    assert stats.expected("m", 100, request_class="chat") == 50
+    assert stats.expected("m", 100, request_class="chat") == with_prior(40, 60)
     assert stats.expected("m", 100, request_class="class-new") == PRIORS[band(100)]
+
+
+def test_lengths_finishing_shortest_first_are_learned_in_the_order_their_requests_arrived() -> None:
+    stats = LengthStats()
+    lengths = [400, 10, 20, 30, 300, 5]  # a burst: the short answers finish first
+    pending = [stats.begin("m", 100, now=i * 0.01) for i in range(len(lengths))]
+    by_end = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    for i in by_end[:-1]:  # all but the longest, the first to arrive, have ended
+        stats.end(pending[i], lengths[i], now=1.0)
+    # A mean of what finished would be 73 tokens; nothing is learned while the first still runs.
+    assert stats.expected("m", 100) == PRIORS[0]
+    stats.end(pending[by_end[-1]], lengths[by_end[-1]], now=2.0)
+    assert stats.expected("m", 100) == with_prior(*lengths)
+
+
+def test_a_request_ending_without_a_length_or_twice_is_learned_once_or_not_at_all() -> None:
+    stats = LengthStats()
+    refused, answered, later = (stats.begin("m", 100, now=t) for t in (0.0, 0.1, 0.2))
+    stats.end(answered, 40, now=0.5)
+    stats.end(answered, None, now=0.6)  # the handler's own end, after the answer's
+    assert stats.expected("m", 100) == PRIORS[0]  # the first is still on its way
+    stats.end(refused, None, now=0.7)
+    assert stats.expected("m", 100) == with_prior(40)
+    stats.end(later, 60, now=0.8)
+    stats.end(later, 60, now=0.9)
+    assert stats.expected("m", 100) == with_prior(40, 60)
+    assert stats.groups.counts[("m", 0, "")] == 2
+
+
+def test_a_request_running_past_the_wait_no_longer_holds_its_group_back() -> None:
+    stats = LengthStats()
+    stuck = stats.begin("m", 100, now=0.0)
+    quick = stats.begin("m", 100, now=1.0)
+    stats.end(quick, 30, now=2.0)
+    assert stats.expected("m", 100) == PRIORS[0]
+    stats.begin("m", 100, now=MAX_WAIT_S + 1.0)  # a newcomer finds the head stuck too long
+    assert stats.expected("m", 100) == with_prior(30)
+    stats.end(stuck, 3000, now=MAX_WAIT_S + 2.0)  # learned when it ends, all the same
+    assert stats.expected("m", 100) == with_prior(30, 3000)
+
+
+def test_requests_waiting_to_be_learned_are_bounded_per_group() -> None:
+    stats = LengthStats()
+    first = stats.begin("m", 100, now=0.0)
+    assert first is not None
+    waiting = [stats.begin("m", 100, now=0.0) for _ in range(MAX_PENDING + 10)]
+    assert waiting.count(None) == 11  # past the bound, a request's length is not learned
+    for pending in waiting:
+        stats.end(pending, 50, now=1.0)
+    stats.end(first, 70, now=1.0)
+    assert stats.groups.counts[("m", 0, "")] == MAX_PENDING
+    assert not stats._queues  # nothing left behind once all have ended
+
+
+def test_a_group_far_from_its_prior_is_learned_within_dozens_of_requests() -> None:
+    stats = LengthStats()
+    for _ in range(60):
+        stats.observe("m", 100, 20)
+        stats.observe("m", 100, 2000, "essays")
+    assert stats.expected("m", 100) < 30
+    assert stats.expected("m", 100, request_class="essays") > 1800

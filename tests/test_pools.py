@@ -223,25 +223,50 @@ def test_a_replica_failing_a_share_of_its_requests_is_ejected_though_never_three
     assert steady.healthy
 
 
-def test_a_burst_of_prompts_shows_in_the_rate_at_once_and_a_steady_stream_as_it_is() -> None:
+def test_a_burst_of_prompts_shows_in_the_rate_at_once_for_as_long_as_it_lasts() -> None:
     settings = FleetSettings(rate_window_s=10.0, burst_window_s=2.0)
     steady = Replica("plain-0", "http://x", Pool.PLAIN, settings)
     for i in range(600):  # 2 prompts of 1,000 tokens a second for five minutes
         steady.dispatched_one(1000, now=i * 0.5)
-    prompts, tokens = steady.prompt_rates(300.0)
-    assert prompts == pytest.approx(2.0, rel=0.1)
-    assert tokens == pytest.approx(2000.0, rel=0.1)
+    for horizon_s in (0.1, 60.0):  # a steady stream is its rate, whatever the life to come
+        prompts, tokens = steady.state(300.0).prompt_rates(horizon_s)
+        assert prompts == pytest.approx(2.0, rel=0.1)
+        assert tokens == pytest.approx(2000.0, rel=0.1)
     burst = Replica("plain-1", "http://y", Pool.PLAIN, settings)
     slow = Replica("plain-2", "http://z", Pool.PLAIN, FleetSettings(rate_window_s=10.0, burst_window_s=10.0))
     for i in range(20):  # 20 prompts in one second, after nothing
         burst.dispatched_one(1000, now=100.0 + i * 0.05)
         slow.dispatched_one(1000, now=100.0 + i * 0.05)
-    prompts, tokens = burst.prompt_rates(101.0)
-    assert slow.prompt_rates(101.0)[0] < 2.0  # the ten-second window alone would lag far behind
+    assert slow.state(101.0).prompt_rates(0.5)[0] < 2.0  # the ten-second window alone would lag far behind
+    state = burst.state(101.0)
+    assert state.burst is not None
+    prompts, tokens = state.prompt_rates(0.5)  # a short life: the burst's rate all through it
     assert prompts > 7.0
     assert tokens == pytest.approx(prompts * 1000)
-    quiet, _ = burst.prompt_rates(131.0)  # half a minute later, the burst has all but faded
+    # a minute's life: a burst seen for a second or two stalls only its start
+    long_life, _ = state.prompt_rates(60.0)
+    assert state.arrivals_per_s < long_life < state.arrivals_per_s + (prompts - state.arrivals_per_s) * 0.1
+    assert state.burst.lasted_s == settings.burst_window_s  # seen for a second: taken to last a window
+    quiet, _ = burst.state(131.0).prompt_rates(0.5)  # half a minute later, the burst has all but faded
     assert quiet < 0.2
+
+
+def test_a_burst_that_goes_on_is_expected_to_go_on_about_as_long_again() -> None:
+    settings = FleetSettings(rate_window_s=10.0, burst_window_s=2.0)
+    storm = Replica("plain-0", "http://x", Pool.PLAIN, settings)
+    storm.dispatched_one(1000, now=0.0)
+    for i in range(400):  # after a quiet minute, 20 prompts a second for twenty seconds
+        storm.dispatched_one(1000, now=60.0 + i * 0.05)
+    state = storm.state(80.0)
+    assert state.burst is not None
+    assert state.burst.lasted_s == pytest.approx(20.0, abs=0.1)
+    rate, _ = state.prompt_rates(40.0)  # half of a forty-second life at the storm's rate
+    assert rate == pytest.approx((state.arrivals_per_s + state.burst.arrivals_per_s) / 2)
+    for i in range(20):  # it ends; a new one starts a minute later and is a new burst
+        storm.dispatched_one(1000, now=140.0 + i * 0.05)
+    later = storm.state(141.0).burst
+    assert later is not None
+    assert later.lasted_s == settings.burst_window_s
 
 
 def test_the_document_moves_a_replica_to_the_other_pool_and_drains_one() -> None:

@@ -26,7 +26,7 @@ from specgate.workers.health import Health
 from specgate.workers.latency_fit import MAX_STALL_SHARE, LatencyFit, Priced
 from specgate.workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
 from specgate.workers.shared import Others, SharedCounts, SharedSlot
-from specgate.workers.snapshot import ReplicaState, Snapshot
+from specgate.workers.snapshot import Burst, ReplicaState, Snapshot
 
 _log = logging.getLogger(__name__)
 
@@ -235,6 +235,8 @@ class Replica:
         self.share = share if share is not None else Share(settings.share_window_s)
         """This gateway's share of the fleet's work (the fleet's, shared by all its replicas)."""
         self._rates = (_Rate(self.settings.rate_window_s), _Rate(self.settings.burst_window_s))
+        self._burst_since: float | None = None
+        """Since when its prompts come faster than the longer window shows; None when they do not."""
         self._dispatched_at_scrape = 0.0
         self._last_spec: SpecCounters | None = None
         self._progress: tuple[float, float] = (-1.0, 0.0)
@@ -305,8 +307,13 @@ class Replica:
         self.prefilling += 1
         self.prefill_tokens += prompt_tokens
         if now is not None:
+            was_bursting = self._bursting(now)
             for rate in self._rates:
                 rate.add(prompt_tokens, now)
+            if not self._bursting(now):
+                self._burst_since = None
+            elif not was_bursting:  # (decaying, the shorter window can only fall behind the longer)
+                self._burst_since = now
         self._publish()
         return self._stay(at)
 
@@ -326,14 +333,23 @@ class Replica:
         others = self._others(now)
         return self.dispatched + (others.dispatched if others is not None else 0.0)
 
-    def prompt_rates(self, now: float, others: Others | None = None) -> tuple[float, float]:
+    def prompt_rates(self, now: float, others: Others | None = None) -> tuple[float, float, Burst | None]:
         """Prompts and prompt tokens sent per second lately (with `others`, this gateway's other
-        processes' too): over the longer window, or over the shorter one when it sees more tokens
-        (a burst, which the longer one is slow to follow)."""
+        processes' too), over the longer window, and a burst when the shorter one sees more tokens
+        (which the longer one is slow to follow), with how long this process has seen it last."""
         rates = [r.per_s(now) for r in self._rates]
         if others is not None:
             rates = [(own[0] + more[0], own[1] + more[1]) for own, more in zip(rates, others.rates, strict=True)]
-        return max(rates, key=lambda rate: rate[1])
+        (prompts, tokens), (burst_prompts, burst_tokens) = rates
+        if burst_tokens <= tokens:
+            return prompts, tokens, None
+        since = self._burst_since if self._burst_since is not None else now
+        return prompts, tokens, Burst(burst_prompts, burst_tokens, max(now - since, self.settings.burst_window_s))
+
+    def _bursting(self, now: float) -> bool:
+        """Whether the shorter window sees more prompt tokens a second than the longer one."""
+        (_, tokens), (_, burst_tokens) = (r.per_s(now) for r in self._rates)
+        return burst_tokens > tokens
 
     def _prefilled(self, prompt_tokens: int) -> None:
         self.prefilling -= 1
@@ -486,7 +502,7 @@ class Replica:
         # The fleet's requests on it, as far as this gateway can tell: its own (all its processes')
         # over its share of the fleet's work (`Share`; 1 when it is alone in front of the fleet).
         others = self._others(now)
-        arrivals_per_s, prefill_tokens_per_s = self.prompt_rates(now, others)
+        arrivals_per_s, prefill_tokens_per_s, burst = self.prompt_rates(now, others)
         in_flight, prefilling = float(self.in_flight), float(self.prefilling)
         prefill_tokens, dispatched = float(self.prefill_tokens), self.dispatched - self._dispatched_at_scrape
         if others is not None:
@@ -505,6 +521,7 @@ class Replica:
             prefill_tokens=round(prefill_tokens / share),
             prefill_tokens_per_s=prefill_tokens_per_s / share,
             arrivals_per_s=arrivals_per_s / share,
+            burst=burst.shared(share) if burst is not None else None,
             dispatched_since_scrape=round(dispatched / share),
             running=load.running if fresh and load else None,
             waiting=load.waiting if fresh and load else None,

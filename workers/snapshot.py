@@ -56,6 +56,22 @@ class Scales:
 
 
 @dataclass(frozen=True)
+class Burst:
+    """Prompts sent to a replica faster lately than its steady rate shows: the rates over a short
+    window, when they see more prompt tokens than the longer one, and how long they have (at
+    least the short window)."""
+
+    arrivals_per_s: float
+    prefill_tokens_per_s: float
+    lasted_s: float
+
+    def shared(self, share: float) -> Burst:
+        """The fleet's, from this gateway's own over its share of the fleet's work."""
+        return replace(self, arrivals_per_s=self.arrivals_per_s / share,
+                       prefill_tokens_per_s=self.prefill_tokens_per_s / share)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ReplicaState:
     """One replica as the gateway sees it at decision time."""
 
@@ -95,13 +111,28 @@ class ReplicaState:
     weight: float = 1.0
     """The operator's preference for the replica's pool (policy document): policies divide its
     load and its predicted completion by it, so a pool of weight 2 takes about twice the share."""
+    burst: Burst | None = None
+    """Prompts arriving faster than the steady rates above, lately; None when they do not."""
 
     def idle(self) -> ReplicaState:
         """The same replica with nothing on it: what a request could get at best there."""
         return replace(
             self, in_flight=0, prefilling=0, prefill_tokens=0, prefill_tokens_per_s=0.0, arrivals_per_s=0.0,
-            dispatched_since_scrape=0, running=None, waiting=None, kv_usage=None,
+            dispatched_since_scrape=0, running=None, waiting=None, kv_usage=None, burst=None,
         )  # fmt: skip
+
+    def prompt_rates(self, horizon_s: float) -> tuple[float, float]:
+        """Prompts and prompt tokens a second to expect over the next `horizon_s`: the steady rates,
+        and a burst's excess for about as long again as it has lasted, not the whole horizon
+        (nothing tells how long a burst will last but how long it has: a storm seen for two
+        seconds does not stall every step of an answer a minute long; one seen for a minute does)."""
+        if self.burst is None:
+            return self.arrivals_per_s, self.prefill_tokens_per_s
+        lasts = min(self.burst.lasted_s / horizon_s, 1.0) if horizon_s > 0 else 1.0
+        return (
+            self.arrivals_per_s + (self.burst.arrivals_per_s - self.arrivals_per_s) * lasts,
+            self.prefill_tokens_per_s + (self.burst.prefill_tokens_per_s - self.prefill_tokens_per_s) * lasts,
+        )
 
     @property
     def load(self) -> float:
