@@ -372,7 +372,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         cap = max_tokens(profile, request.prompt_tokens)
         slo = scenario.slo_for(request.request_class)
         gateway = index % scenario.gateways
-        learning[f"r{index}"] = lengths[gateway].begin(MODEL, request.prompt_tokens, now, request.request_class)
+        learning[f"r{index}"] = lengths[gateway].begin(MODEL, request.prompt_tokens, request.request_class)
         features = RequestFeatures(
             model=MODEL,
             stream=True,
@@ -445,6 +445,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
             if out.first:
                 request, *_, gateway = routed[out.request_id]
                 fleets[gateway].replicas[name].first_byte(request.prompt_tokens, step.end)
+                lengths[gateway].start(learning[out.request_id], step.end)
         finished_by = set()
         for done in step.finished:
             request, _, decision, held, stay, gateway = routed.pop(done.request_id)

@@ -30,6 +30,7 @@ from specgate.gateway.errors import GatewayError, UpstreamBusy, UpstreamTimeout,
 from specgate.gateway.journey import Journey, hop_by_hop
 from specgate.gateway.sla import REQUEST_ID
 from specgate.policies.decision import Decision
+from specgate.policies.length import LengthStats
 from specgate.protocol.tokens import completion_tokens
 from specgate.workers.pools import Replica, Stay
 
@@ -98,6 +99,7 @@ class Attempt:
         connections: Connections,
         session: aiohttp.ClientSession,
         timeouts: Timeouts,
+        lengths: LengthStats,
         *,
         last: bool,
         resuming: tuple[ClientStream, Continuation] | None = None,
@@ -109,6 +111,8 @@ class Attempt:
         self.session = session
         """For the replica's tokenizer, when a stream goes on from another replica's."""
         self.timeouts = timeouts
+        self.lengths = lengths
+        """Learns the request's output length in the order answers began (`policies/length.py`)."""
         self.last = last
         """No other replica will be tried: a 5xx goes to the client as it is."""
         self.resuming = resuming
@@ -132,6 +136,8 @@ class Attempt:
         self.started = time.monotonic()
         body = await self._body()
         self.outcome.stay = replica.dispatched_one(prompt, self.started, stream=stream)
+        if not stream:  # its first token is not seen: it began, as far as the gateway knows, when sent
+            self.lengths.start(self.journey.length, self.started)
         watchdog = Watchdog(self.timeouts.first_byte_s, self.timeouts.idle_s)
         replica.waiting.add(watchdog.fire)  # ejected meanwhile (hung, say): go elsewhere
         try:
@@ -316,6 +322,7 @@ class Attempt:
                     gaps.append(now - watchdog.last)
                 else:
                     first_at = now
+                    self.lengths.start(self.journey.length, now)
                 watchdog.last = self.replica.received_at = now
                 events += chunk.count(b"data: ")
                 previous, last = last, chunk

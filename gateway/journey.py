@@ -51,7 +51,7 @@ class Journey:
     span: Span | None = None
     """Its trace span, when tracing is on and it is sampled; None once ended."""
     length: Pending | None = None
-    """Its output length, for its group to learn in the order requests arrived (`policies/length.py`)."""
+    """Its output length, for its group to learn in the order answers began (`policies/length.py`)."""
 
     @property
     def request_class(self) -> str:

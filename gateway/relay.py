@@ -144,7 +144,7 @@ class Relay:
             self.feedback.refused(journey, error)
             raise
         fields = journey.fields
-        journey.length = self.lengths.begin(fields.model, fields.prompt_tokens, journey.arrived, journey.request_class)
+        journey.length = self.lengths.begin(fields.model, fields.prompt_tokens, journey.request_class)
         self.routing += 1
         try:
             return await self._route(journey)
@@ -299,6 +299,7 @@ class Relay:
             self.connections,
             self.session,
             self.settings.timeouts,
+            self.lengths,
             last=last,
             resuming=resuming,
         )

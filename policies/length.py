@@ -8,15 +8,20 @@ estimate never exceeds the request's `max_tokens`.
 The priors are the Azure LLM inference traces' mean outputs by prompt size (conversation and code
 together): long prompts (code completion, retrieval) tend to produce short answers.
 
-Lengths are learned in the order their requests arrived, not the order they finish (`begin`,
-`end`). Short answers finish first: when requests pour in (a burst, a gateway started under load)
-the first dozens to finish are the shortest of them, and a mean taken as they finish would fall to
-a fraction of the group's (a burst of conversation requests: 14 tokens learned, 217 the median
-sent), which prices every request of the group as a short life its prefill stalls dominate. So a
-length finished waits until those of every request of its group that arrived before it are known;
-one still running after `MAX_WAIT_S` holds back no more and is learned when it ends. Even so, the
-few first known are those before the first long answer, still running: a group's first lengths
-are averaged with its band's prior, worth `PRIOR_WEIGHT` of them, until its own outweigh it.
+Lengths are learned in the order their answers began, not the order they finish (`begin`,
+`start`, `end`). Short answers finish first: when requests pour in (a burst, a gateway started
+under load) the first dozens to finish are the shortest of them, and a mean taken as they finish
+would fall to a fraction of the group's (a burst of conversation requests: 14 tokens learned, 217
+the median sent), which prices every request of the group as a short life its prefill stalls
+dominate. So a length finished waits until those of every request of its group whose answer began
+before its own are known; one still running `MAX_WAIT_S` after it began holds back no more and is
+learned when it ends. The order is that of first tokens, not of arrivals: under overload a request
+waits in a queue for long before its answer begins, and one that arrived early and waits would hold
+back the lengths of all those running meanwhile, so the band's prior would price requests for as
+long as the queue is deep (code completions, a tenth of the prior's length, priced at the prior).
+Even so, the few first known are those before the first long answer, still running: a group's
+first lengths are averaged with its band's prior, worth `PRIOR_WEIGHT` of them, until its own
+outweigh it.
 """
 
 from __future__ import annotations
@@ -40,11 +45,11 @@ MAX_GROUPS = 4096
 with every request must not grow the gateway's memory without end. Once this many are known, a
 new group is not learned (its requests get their band's prior)."""
 MAX_WAIT_S = 120.0
-"""How long a request still running holds back the lengths of its group's later ones: a few
+"""How long an answer still running holds back the lengths of its group's later ones: a few
 thousand tokens' answer; past that, learning does not wait on it."""
 MAX_PENDING = 4096
-"""Requests of one group waiting for their length to be learned, at most; past that, a request's
-length is not learned (those learned stay a fair sample of the group's)."""
+"""Answers of one group waiting for their length to be learned, at most; past that, an answer's
+length is learned when it ends."""
 
 Key = tuple[str, int, str]
 
@@ -58,11 +63,12 @@ class Pending:
     """A request whose output length its group learns, from its arrival to its end."""
 
     key: Key
-    arrived: float
+    started: float | None = None
+    """When its answer began (its first token; None: not yet)."""
     length: int | None = None
     ended: bool = False
-    queued: bool = True
-    """In its group's queue: the lengths of those that arrived after it wait for its own."""
+    queued: bool = False
+    """In its group's queue: the lengths of those that started after it wait for its own."""
 
 
 @dataclass
@@ -71,24 +77,30 @@ class LengthStats:
 
     groups: GroupMeans[Key] = field(default_factory=lambda: GroupMeans(SMOOTHING, MAX_GROUPS, PRIOR_WEIGHT))
     _queues: dict[Key, deque[Pending]] = field(default_factory=dict)
-    """Per group, its requests begun and not yet learned, in the order they arrived."""
+    """Per group, its answers begun and not yet learned, in the order they began."""
 
     def observe(self, model: str, prompt_tokens: int, output_tokens: int, request_class: str = "") -> None:
         """Learn one length at once (lengths of requests in flight: `begin` and `end`)."""
         self._learn((model, band(prompt_tokens), request_class), output_tokens)
 
-    def begin(self, model: str, prompt_tokens: int, now: float, request_class: str = "") -> Pending | None:
-        """A request arrived (`now`, on a clock `end` shares); None when its length is not learned."""
+    def begin(self, model: str, prompt_tokens: int, request_class: str = "") -> Pending | None:
+        """A request arrived; None when its length is not learned."""
         key = (model, band(prompt_tokens), request_class)
-        if not self.groups.learns(key):
-            return None
-        queue = self._queues.setdefault(key, deque())
+        return Pending(key) if self.groups.learns(key) else None
+
+    def start(self, pending: Pending | None, now: float) -> None:
+        """The request's answer began `now` (on a clock `end` shares): its length is learned after
+        those of its group's requests that began before it. Starting it again (its answer going on
+        from another replica) changes nothing."""
+        if pending is None or pending.started is not None or pending.ended:
+            return
+        pending.started = now
+        queue = self._queues.setdefault(pending.key, deque())
         if len(queue) >= MAX_PENDING:
-            return None
-        pending = Pending(key, now)
+            return
+        pending.queued = True
         queue.append(pending)
-        self._release(key, now)  # a request long stuck at the head no longer holds back
-        return pending
+        self._release(pending.key, now)  # an answer long running at the head no longer holds back
 
     def end(self, pending: Pending | None, output_tokens: int | None, now: float) -> None:
         """The request ended `now`, having produced `output_tokens` (None: its length is not known,
@@ -102,11 +114,11 @@ class LengthStats:
             self._learn(pending.key, output_tokens)
 
     def _release(self, key: Key, now: float) -> None:
-        """Learn the group's lengths known in the order they arrived, up to its first still running."""
+        """Learn the group's lengths known in the order their answers began, up to its first still running."""
         queue = self._queues[key]
         while queue:
             head = queue[0]
-            if not head.ended and now - head.arrived < MAX_WAIT_S:
+            if not head.ended and head.started is not None and now - head.started < MAX_WAIT_S:
                 break
             queue.popleft()
             head.queued = False

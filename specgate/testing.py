@@ -5,6 +5,7 @@ of Prometheus samples."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -13,7 +14,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,3 +222,13 @@ async def running_app(app: web.Application, runner: web.AppRunner | None = None)
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout_s: float) -> bool:
+    """Whether `check` came true within `timeout_s`, asked every 50 ms."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True

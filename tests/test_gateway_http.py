@@ -31,7 +31,7 @@ from specgate.gateway.server import Limits
 from specgate.gateway.state import RELAY
 from specgate.policies.decision import Shedding
 from specgate.policies.document import PolicyDocument
-from specgate.testing import SimProcess, running_app, sample_value
+from specgate.testing import SimProcess, running_app, sample_value, until
 from specgate.workers import launch
 from specgate.workers.pools import FleetSettings
 
@@ -117,8 +117,9 @@ async def test_chat_streaming(gateway: str) -> None:
     assert chunks[-1].usage.completion_tokens == 30
 
 
-async def test_output_lengths_are_learned_in_the_order_their_requests_arrived(
-    fleet: dict[Pool, list[SimProcess]],
+@pytest.mark.parametrize("stream", [False, True])
+async def test_output_lengths_are_learned_in_the_order_their_answers_began(
+    fleet: dict[Pool, list[SimProcess]], stream: bool
 ) -> None:
     settings = settings_for(urls(fleet))
     app = make_app(settings)
@@ -127,15 +128,25 @@ async def test_output_lengths_are_learned_in_the_order_their_requests_arrived(
 
         async def ask(max_tokens: int) -> int:
             async with client(url) as api:
-                reply = await api.chat.completions.create(
-                    model=MODEL, messages=MESSAGES, max_tokens=max_tokens, extra_body={"ignore_eos": True}
-                )
-            assert reply.usage is not None
-            return reply.usage.completion_tokens
+                if not stream:
+                    reply = await api.chat.completions.create(
+                        model=MODEL, messages=MESSAGES, max_tokens=max_tokens, extra_body={"ignore_eos": True}
+                    )
+                    assert reply.usage is not None
+                    return reply.usage.completion_tokens
+                chunks = await api.chat.completions.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=max_tokens, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                usage = [chunk.usage async for chunk in chunks if chunk.usage is not None]
+                return usage[-1].completion_tokens
 
         long = asyncio.create_task(ask(1000))
-        await asyncio.sleep(0.2)
-        assert relay.routing == 1  # the long one has arrived (and runs for seconds)
+
+        async def begun() -> bool:
+            return bool(relay.lengths._queues)
+
+        assert await until(begun, 10.0)  # the long one has begun (and runs for seconds)
         assert list(await asyncio.gather(ask(4), ask(4), ask(4))) == [4, 4, 4]
         assert not long.done()
         assert relay.lengths.groups.counts == {}  # the short answers wait for the long one's

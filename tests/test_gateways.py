@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from specgate.cli.serve import ADMIN_TOKEN_ENV
-from specgate.testing import RedisServer, SimProcess, gateway_config, sample_value
+from specgate.testing import RedisServer, SimProcess, gateway_config, sample_value, until
 from specgate.workers import launch
 
 MODEL = "sim-model"
@@ -94,15 +94,6 @@ async def counted(url: str) -> tuple[int, float | None]:
         async with session.get(f"{url}/metrics") as r:
             others = sample_value(await r.text(), "specgate_gateways_counted")
     return sum(rep["in_flight"] for rep in replicas), others
-
-
-async def until(check: Callable[[], Awaitable[bool]], timeout_s: float) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
 
 
 @pytest.mark.slow

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import pytest
 
-from specgate.bench.grid import FIXED, Cell, capacity_rps, cells
+from specgate.bench.grid import ADAPTIVE, FIXED, Cell, capacity_rps, cells, points
 from specgate.bench.traces import TraceRequest
 from specgate.calibration.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B
 from specgate.cli import main
@@ -50,3 +51,12 @@ def test_the_grid_command_writes_margins_a_report_and_a_heat_map(tmp_path: Path)
     assert "worst points" in report
     assert "grid mean: adaptive" in report
     assert (out / "margin.png").stat().st_size > 1000
+
+
+def test_a_point_exactly_one_point_behind_is_not_counted_as_more() -> None:
+    met = {ADAPTIVE: 395 / 400, **dict.fromkeys(FIXED, 399 / 400)}
+    runs = [{"cell": "c", "load": 1.0, "policy": p, "slo_attainment": a, "ttft_p99_ms": 1.0, "shed": 0,
+             "too_long": 0} for p, a in met.items()]  # fmt: skip
+    assert points(runs)[0]["margin"] == -0.01
+    runs[0]["slo_attainment"] = 394 / 400
+    assert cast(float, points(runs)[0]["margin"]) < -0.01

@@ -4,8 +4,10 @@ their share of the fleet's takes back (`specgate bench herd`)."""
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -70,12 +72,16 @@ def test_gateways_on_shared_counts_route_as_one() -> None:
 def test_gateways_exchanging_their_counts_route_nearly_as_one() -> None:
     """Three separate gateways exchanging their counts, fits and factors every 50 ms (as through
     the policy's Redis) meet about what one gateway meets, more than counting their share;
-    counting only their own, far less."""
-    base = Job(Cell(), 2.0, 1, "share", "adaptive", 0, 300, str(TRACES))
-    one = run(base)["slo_attainment"]
-    exchanged = run(replace(base, gateways=3, counting="exchange"))["slo_attainment"]
-    share = run(replace(base, gateways=3, counting="share"))["slo_attainment"]
-    own = run(replace(base, gateways=3, counting="own"))["slo_attainment"]
+    counting only their own, far less. Over three seeds: on one, 300 requests swing a point or
+    two either way (one gateway against three exchanging, seeds 0-2: 0.643/0.650/0.630 against
+    0.600/0.623/0.617; counting their share, 0.593/0.570/0.577; their own, 0.530/0.520/0.497)."""
+
+    def met(gateways: int, counting: str) -> float:
+        jobs = [Job(Cell(), 2.0, gateways, counting, "adaptive", seed, 300, str(TRACES)) for seed in range(3)]
+        return statistics.fmean(cast(float, run(job)["slo_attainment"]) for job in jobs)
+
+    one = met(1, "share")
+    exchanged, share, own = (met(3, counting) for counting in ("exchange", "share", "own"))
     assert abs(exchanged - one) <= 0.03, (exchanged, one)
-    assert exchanged > share + 0.02, (exchanged, share)  # each counting its share: 0.573 against 0.640
+    assert exchanged > share + 0.02, (exchanged, share)
     assert own < one - 0.05, (own, one)

@@ -1,6 +1,15 @@
 import pytest
 
-from specgate.policies.length import MAX_GROUPS, MAX_PENDING, MAX_WAIT_S, PRIOR_WEIGHT, PRIORS, LengthStats, band
+from specgate.policies.length import (
+    MAX_GROUPS,
+    MAX_PENDING,
+    MAX_WAIT_S,
+    PRIOR_WEIGHT,
+    PRIORS,
+    LengthStats,
+    Pending,
+    band,
+)
 
 
 def with_prior(*lengths: int) -> int:
@@ -61,12 +70,20 @@ def test_a_client_inventing_classes_cannot_grow_the_learned_groups_without_end()
     assert stats.expected("m", 100, request_class="class-new") == PRIORS[band(100)]
 
 
-def test_lengths_finishing_shortest_first_are_learned_in_the_order_their_requests_arrived() -> None:
+def began(stats: LengthStats, now: float) -> Pending:
+    """A request of the first band whose answer began `now`."""
+    pending = stats.begin("m", 100)
+    assert pending is not None
+    stats.start(pending, now)
+    return pending
+
+
+def test_lengths_finishing_shortest_first_are_learned_in_the_order_their_answers_began() -> None:
     stats = LengthStats()
     lengths = [400, 10, 20, 30, 300, 5]  # a burst: the short answers finish first
-    pending = [stats.begin("m", 100, now=i * 0.01) for i in range(len(lengths))]
+    pending = [began(stats, i * 0.01) for i in range(len(lengths))]
     by_end = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    for i in by_end[:-1]:  # all but the longest, the first to arrive, have ended
+    for i in by_end[:-1]:  # all but the longest, the first to begin, have ended
         stats.end(pending[i], lengths[i], now=1.0)
     # A mean of what finished would be 73 tokens; nothing is learned while the first still runs.
     assert stats.expected("m", 100) == PRIORS[0]
@@ -74,42 +91,63 @@ def test_lengths_finishing_shortest_first_are_learned_in_the_order_their_request
     assert stats.expected("m", 100) == with_prior(*lengths)
 
 
+def test_a_request_still_waiting_for_its_answer_holds_back_no_lengths() -> None:
+    stats = LengthStats()
+    queued = stats.begin("m", 100)  # arrived first, still waiting in a queue
+    running = [began(stats, 1.0 + i) for i in range(3)]
+    for pending, length in zip(running, (30, 40, 50), strict=True):
+        stats.end(pending, length, now=10.0)
+    assert stats.expected("m", 100) == with_prior(30, 40, 50)
+    stats.start(queued, 11.0)
+    later = began(stats, 12.0)
+    stats.end(later, 20, now=13.0)  # began after the one once queued, which now runs
+    assert stats.expected("m", 100) == with_prior(30, 40, 50)
+    stats.end(queued, 60, now=14.0)
+    stats.start(queued, 15.0)  # (an answer going on from another replica: no second start)
+    assert stats.expected("m", 100) == with_prior(30, 40, 50, 60, 20)
+    assert not stats._queues
+
+
 def test_a_request_ending_without_a_length_or_twice_is_learned_once_or_not_at_all() -> None:
     stats = LengthStats()
-    refused, answered, later = (stats.begin("m", 100, now=t) for t in (0.0, 0.1, 0.2))
+    refused = stats.begin("m", 100)  # never began: refused, or failed before its first token
+    answered, later = began(stats, 0.1), began(stats, 0.2)
+    failed = began(stats, 0.0)  # its answer broke off: its length is not known
     stats.end(answered, 40, now=0.5)
     stats.end(answered, None, now=0.6)  # the handler's own end, after the answer's
-    assert stats.expected("m", 100) == PRIORS[0]  # the first is still on its way
-    stats.end(refused, None, now=0.7)
+    stats.end(refused, None, now=0.6)
     assert stats.expected("m", 100) == with_prior(40)
     stats.end(later, 60, now=0.8)
     stats.end(later, 60, now=0.9)
+    stats.end(failed, None, now=1.0)
     assert stats.expected("m", 100) == with_prior(40, 60)
     assert stats.groups.counts[("m", 0, "")] == 2
 
 
-def test_a_request_running_past_the_wait_no_longer_holds_its_group_back() -> None:
+def test_an_answer_running_past_the_wait_no_longer_holds_its_group_back() -> None:
     stats = LengthStats()
-    stuck = stats.begin("m", 100, now=0.0)
-    quick = stats.begin("m", 100, now=1.0)
+    stuck = began(stats, 0.0)
+    quick = began(stats, 1.0)
     stats.end(quick, 30, now=2.0)
     assert stats.expected("m", 100) == PRIORS[0]
-    stats.begin("m", 100, now=MAX_WAIT_S + 1.0)  # a newcomer finds the head stuck too long
+    began(stats, MAX_WAIT_S + 1.0)  # a newcomer finds the head running too long
     assert stats.expected("m", 100) == with_prior(30)
     stats.end(stuck, 3000, now=MAX_WAIT_S + 2.0)  # learned when it ends, all the same
     assert stats.expected("m", 100) == with_prior(30, 3000)
 
 
-def test_requests_waiting_to_be_learned_are_bounded_per_group() -> None:
+def test_answers_waiting_to_be_learned_are_bounded_per_group() -> None:
     stats = LengthStats()
-    first = stats.begin("m", 100, now=0.0)
-    assert first is not None
-    waiting = [stats.begin("m", 100, now=0.0) for _ in range(MAX_PENDING + 10)]
-    assert waiting.count(None) == 11  # past the bound, a request's length is not learned
+    first = began(stats, 0.0)
+    waiting = [began(stats, 0.0) for _ in range(MAX_PENDING + 10)]
+    assert sum(len(queue) for queue in stats._queues.values()) == MAX_PENDING
+    for pending in waiting[-11:]:  # past the bound: learned when they end
+        stats.end(pending, 50, now=1.0)
+    assert stats.groups.counts[("m", 0, "")] == 11
     for pending in waiting:
         stats.end(pending, 50, now=1.0)
     stats.end(first, 70, now=1.0)
-    assert stats.groups.counts[("m", 0, "")] == MAX_PENDING
+    assert stats.groups.counts[("m", 0, "")] == MAX_PENDING + 11
     assert not stats._queues  # nothing left behind once all have ended
 
 

@@ -28,9 +28,13 @@ def test_replicas_twice_as_slow_are_learned_and_the_frozen_profile_stays_off(tmp
     refitted = cast(dict[str, float], runs["refitted"]["off_late"])
     for kind in ("ttft", "tpot"):
         assert frozen[kind] > 0.5, kind  # a factor of two is 0.69
-        assert refitted[kind] < 0.25, kind
+        # What is left is not the step costs': in a trace this short few answers have ended when
+        # the late requests arrive, and output lengths are priced mostly at the band's prior.
+        assert refitted[kind] < frozen[kind] / 2, kind
     scales = cast(dict[str, dict[str, float]], runs["refitted"]["scales"])
-    assert scales["plain"]["fixed"] > 1.5
+    for pool in ("speculative", "plain"):
+        for part in ("fixed", "decode", "prefill"):
+            assert 1.5 < scales[pool][part] < 2.5, (pool, part)  # twice the profile's
 
 
 def test_the_refit_command_writes_a_report(tmp_path: Path) -> None:
