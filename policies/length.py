@@ -68,7 +68,7 @@ class Pending:
     length: int | None = None
     ended: bool = False
     queued: bool = False
-    """In its group's queue: the lengths of those that started after it wait for its own."""
+    """In its group's queue: the lengths of those that began after it wait for its own."""
 
 
 @dataclass
