@@ -400,6 +400,7 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         gateway = index % scenario.gateways
         if isinstance(verdict, Hold):
             if queues[gateway].hold(index, features, now):
+                fleets[gateway].hold(queues[gateway].live(now))
                 schedule_review(now)
                 return
             verdict = Shed(QUEUE_FULL, 1.0)
@@ -428,8 +429,11 @@ def simulate(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
         their requests finish, which is all a gateway knows of capacity freed between scrapes)."""
         for gateway, queue in enumerate(queues):
             if len(queue) and (only is None or gateway in only):
-                for index, verdict in queue.review(now, partial(decide, fleets[gateway], now)):
+                view = fleets[gateway]
+                elsewhere = view.held_elsewhere()  # (other gateways' requests that can still be saved)
+                for index, verdict in queue.review(now, partial(decide, view, now), held_elsewhere=elsewhere):
                     settle(index, verdict, now)
+                view.hold(queue.live(now))
 
     def held() -> int:
         return sum(len(queue) for queue in queues)

@@ -261,6 +261,10 @@ class GatewayMetrics:
         _fit_gauges(r, fleet)
         self.queue_depth = Gauge("specgate_queue_depth", "Requests held in the gateway's admission queue.",
                                  registry=r)  # fmt: skip
+        self.queue_held_elsewhere = Gauge(
+            "specgate_queue_held_elsewhere", "Requests the gateway's other processes and the other gateways hold "
+            "that can still meet their targets (this one places none that cannot meanwhile).", registry=r,
+        )  # fmt: skip
         self.queue_wait = _Children(Histogram(
             "specgate_queue_wait_seconds", "Time requests spent in the admission queue, by outcome "
             "(dispatched, refused).", ("outcome",), buckets=_LATENCY_BUCKETS, registry=r,

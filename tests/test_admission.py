@@ -106,6 +106,25 @@ def test_capacity_goes_first_to_requests_that_can_still_meet_their_targets() -> 
     assert [h for h, _ in queue.review(0.5, out_of_reach)] == ["a", "b"]
 
 
+def test_requests_past_their_target_wait_while_other_queues_hold_requests_that_can_meet_theirs() -> None:
+    """Other processes of the gateway, or other gateways, in front of the same fleet: capacity
+    goes to their requests that can still be saved before to this queue's that cannot."""
+
+    def out_of_reach(handle: str, features: RequestFeatures) -> Verdict:
+        return Decision(REPLICA, "best-effort", best_effort=True)
+
+    queue: AdmissionQueue[str] = AdmissionQueue()
+    queue.hold("lost", replace(FEATURES, slo_ttft_ms=100.0), arrived=0.0)  # its target passed at 0.1
+    queue.hold("saved", FEATURES, arrived=0.0)
+    queue.hold("doomed", FEATURES, arrived=0.0)
+    assert queue.live(0.05) == 3
+    assert queue.live(0.15) == 2
+    assert [h for h, _ in queue.review(0.15, go, budget=1, held_elsewhere=2.0)] == ["saved"]
+    assert [h for h, _ in queue.review(0.2, out_of_reach, held_elsewhere=2.0)] == []  # found out of reach: waits
+    assert (queue.live(0.2), len(queue)) == (0, 2)  # none left that can be saved: nothing for others to wait on
+    assert [h for h, _ in queue.review(0.25, go, held_elsewhere=0.0)] == ["lost", "doomed"]
+
+
 def test_requests_found_out_of_reach_wait_behind_the_others_and_are_not_asked_again_first() -> None:
     """Under overload the queue's head fills with requests that no replica could serve in time
     even idle: asked once, they wait with the lost ones, and the review's budget goes to those

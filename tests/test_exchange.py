@@ -27,9 +27,11 @@ async def test_gateways_count_each_other_until_one_leaves(tmp_path: Path, redis_
     try:
         for _ in range(3):
             first.replicas["plain-0"].dispatched_one(100)
+        first.hold(2)  # requests it holds that can still meet their targets
         await first_exchange.once()
         await second_exchange.once()
         assert second.snapshot(time.monotonic()).replicas[0].in_flight == 3
+        assert second.held_elsewhere() == 2
         assert first.shared is not None
         assert first.shared.gateways_counted() == 0  # it read before the second wrote
         await first_exchange.once()
@@ -40,5 +42,6 @@ async def test_gateways_count_each_other_until_one_leaves(tmp_path: Path, redis_
         await first_exchange.close()  # a gateway that stops leaves at once, not once its counts are stale
         await second_exchange.once()
         assert second.snapshot(time.monotonic()).replicas[0].in_flight == 0
+        assert second.held_elsewhere() == 0
     finally:
         await second_exchange.close()

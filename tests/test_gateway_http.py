@@ -11,7 +11,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +26,16 @@ from specgate.calibration.modes import Pool
 from specgate.gateway.advisor import AdvisorSettings
 from specgate.gateway.app import make_app, make_runner
 from specgate.gateway.clients import ClientKey, hashed
-from specgate.gateway.config import AuthSettings, GatewaySettings, Retries, Timeouts
+from specgate.gateway.config import AuthSettings, GatewaySettings, Retries, StoreSettings, Timeouts
+from specgate.gateway.exchange import CountExchange, ExchangeSettings
 from specgate.gateway.server import Limits
 from specgate.gateway.state import RELAY
 from specgate.policies.decision import Shedding
 from specgate.policies.document import PolicyDocument
-from specgate.testing import SimProcess, running_app, sample_value, until
+from specgate.testing import RedisServer, SimProcess, running_app, sample_value, until
 from specgate.workers import launch
 from specgate.workers.pools import FleetSettings
+from specgate.workers.shared import SharedCounts
 
 SimFactory = Callable[..., SimProcess]
 MODEL = "sim-model"
@@ -233,12 +235,12 @@ async def test_bad_requests_get_openai_errors(
 
 
 @contextlib.asynccontextmanager
-async def busy_plain_replica(sim_factory: SimFactory, policy: PolicyDocument) -> AsyncIterator[str]:
+async def busy_plain_replica(sim_factory: SimFactory, policy: PolicyDocument, **changes: Any) -> AsyncIterator[str]:
     """A gateway in front of one plain replica in real time, 40 streams on it for about 3 s: its
     batch too large for a 40 ms TPOT (the profile's step at batch 41 is about 43 ms) until they end."""
     replica = sim_factory("--mode", "plain", "--model", MODEL)
     long = {"model": MODEL, "messages": MESSAGES, "max_tokens": 70, "ignore_eos": True, "stream": True}
-    settings = settings_for({Pool.PLAIN: [replica.url]}, policy=policy)
+    settings = settings_for({Pool.PLAIN: [replica.url]}, policy=policy, **changes)
     async with running_gateway(settings) as url, aiohttp.ClientSession() as session:
         streams = [await session.post(f"{url}/v1/chat/completions", json=long) for _ in range(40)]
         try:
@@ -292,6 +294,39 @@ async def test_admission_queue_holds_then_serves_and_refuses_past_the_deadline(s
         await response.read()
         assert await gateway_sample(url, "specgate_queue_dropped_total", reason="deadline") == 1.0
         assert await gateway_sample(url, "specgate_queue_depth") == 0.0
+
+
+async def test_a_gateway_tells_the_other_gateways_how_many_requests_it_holds_that_can_be_saved(
+    sim_factory: SimFactory, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Through the Redis they share: while it holds one, the others place none of theirs whose
+    target has passed (`policies/admission.py`)."""
+    store = StoreSettings(url=redis_server.url, prefix="held")
+    other = SharedCounts(SharedCounts.create(1, tmp_path, others=True), 1, 0, others=True)
+    exchange = CountExchange(redis_server.url, "held", other, (1.0, 1.0), ExchangeSettings())
+    try:
+        async with busy_plain_replica(sim_factory, PolicyDocument(), store=store) as url, aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5}
+            headers = {"x-slo-tpot-ms": "40", "x-slo-ttft-ms": "10000"}
+            held = asyncio.create_task(s.post(f"{url}/v1/chat/completions", json=body, headers=headers))
+
+            async def seen() -> float:
+                await exchange.once()
+                return other.held_elsewhere()
+
+            assert await until(lambda: _equals(seen(), 1.0), timeout_s=5.0)
+            assert await gateway_sample(url, "specgate_queue_held_elsewhere") == 0.0  # it is the only one
+            response = await held
+            assert response.status == 200
+            await response.read()
+            assert await until(lambda: _equals(seen(), 0.0), timeout_s=5.0)
+    finally:
+        await exchange.close()
+        other.close()
+
+
+async def _equals(value: Awaitable[float], expected: float) -> bool:
+    return await value == expected
 
 
 async def gateway_sample(url: str, name: str, **labels: str) -> float | None:

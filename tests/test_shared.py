@@ -185,6 +185,19 @@ def test_a_restarted_process_counts_in_the_share_again(counts_file: Path) -> Non
     assert second.share.own == 5  # the first two after the restart are missed, none after them
 
 
+def test_each_process_sees_the_requests_the_others_hold_that_can_still_be_saved(counts_file: Path) -> None:
+    first, second = fleets(counts_file)
+    alone = Fleet({Pool.PLAIN: [A, B]}, SETTINGS)
+    first.hold(3)
+    alone.hold(9)  # no one to tell
+    assert (first.held_elsewhere(), second.held_elsewhere(), alone.held_elsewhere()) == (0.0, 3.0, 0.0)
+    first.hold(0)
+    assert second.held_elsewhere() == 0.0
+    first.hold(2)
+    Fleet({Pool.PLAIN: [A, B]}, SETTINGS, SharedCounts(counts_file, 2, 0))  # restarted in its row: it holds none
+    assert second.held_elsewhere() == 0.0
+
+
 def test_the_correction_factors_follow_every_processs_answers_one_after_another(counts_file: Path) -> None:
     """Each process moves the factors as the others last left them: two processes answering in
     turn end where one process with all their answers ends."""
@@ -278,6 +291,25 @@ def test_only_a_gateways_own_processes_go_into_its_summary(tmp_path: Path) -> No
     assert state(third, A, 0.0)["in_flight"] == 2
 
 
+def test_a_gateway_sees_the_requests_the_other_gateways_hold_that_can_still_be_saved(tmp_path: Path) -> None:
+    two = gateway(tmp_path, processes=2)
+    (three,) = gateway(tmp_path)
+    (mine,) = gateway(tmp_path)
+    two[0].hold(1)
+    two[1].hold(2)
+    three.hold(4)
+    mine.hold(8)  # its own: not among the others'
+    assert two[0].held_elsewhere() == 2.0  # its sibling's, not yet the other gateways'
+    board = {name: counts(fleet).summary(0.0, WINDOWS, 0.0) for name, fleet in (("two", two[0]), ("three", three))}
+    board["me"] = counts(mine).summary(0.0, WINDOWS, 0.0)
+    take(mine, board, 0.0, 0.0)
+    assert mine.held_elsewhere() == 7.0
+    take(mine, {"three": board["three"]}, 0.0, 0.0)  # the first gateway gone
+    assert mine.held_elsewhere() == 4.0
+    counts(mine).forget()  # Redis away: nothing known of the others
+    assert mine.held_elsewhere() == 0.0
+
+
 def test_stale_malformed_and_surplus_summaries_are_not_counted(tmp_path: Path) -> None:
     (theirs,) = gateway(tmp_path)
     (mine,) = gateway(tmp_path)
@@ -289,7 +321,7 @@ def test_stale_malformed_and_surplus_summaries_are_not_counted(tmp_path: Path) -
     nan[-8:] = struct.pack("d", math.nan)
     negative, last_slot = bytearray(good), len(good) - 8 * FIELDS
     negative[last_slot + 8 : last_slot + 16] = struct.pack("d", -4.0)  # in flight: -4
-    factor_at = 3 + FIT_FIELDS - 3  # the first fit's TTFT factor (`workers/shared.py`'s layout)
+    factor_at = 4 + FIT_FIELDS - 3  # the first fit's TTFT factor (`workers/shared.py`'s layout)
     priced = Priced("profile", TTFT, STEP, STEP, queued=True)
     for fit in theirs.fits.values():
         fit.observe(100.0, None, priced)

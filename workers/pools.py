@@ -593,6 +593,16 @@ class Fleet:
             replica.shared = self.shared.slot(replica.url)
         return replica
 
+    def hold(self, live: int) -> None:
+        """Publish how many requests this process holds that can still meet their targets, for the
+        other processes and gateways (`workers/shared.py`); alone, no one is told."""
+        if self.shared is not None:
+            self.shared.hold(live)
+
+    def held_elsewhere(self) -> float:
+        """The requests the other processes and gateways hold that can still meet their targets."""
+        return self.shared.held_elsewhere() if self.shared is not None else 0.0
+
     def arrange(self, pools: Mapping[str, Pool], drained: Collection[str]) -> None:
         """Replicas, by URL, in a pool other than the configured one, and those that take no new
         requests (the policy document's `replicas`); URLs this fleet does not have are ignored."""

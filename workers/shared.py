@@ -16,6 +16,11 @@ miss: each process moves the latest it finds, so they follow all the processes' 
 pace one process alone would see them. (In the offline simulator, three gateways on shared counts
 each moving its own factors met 3 points fewer SLOs than one gateway; moving one set, under one.)
 
+Each process publishes, too, how many requests it holds in its admission queue that can still
+meet their targets (`hold`): a process places a request whose target has passed only when no
+other holds one that can (`held_elsewhere`), as one queue would place them, or the requests that
+can still be saved wait behind others' that cannot.
+
 A replica is found in another process's row by a hash of its URL: processes name replicas in the
 order they find them, which need not agree. A row's first slot counts the changes of its replicas
 (taken or freed slots), so a reader searches a row again only when it has changed.
@@ -73,9 +78,14 @@ def key_of(text: str) -> int:
     return key or 1
 
 
-_MAGIC = 0x5347_4332  # a summary's first word: "SGC2" (its fits of five terms)
-_HEADER = 3
-"""A summary's words before its fits: the magic, when it was taken (Unix seconds), its replicas."""
+_MAGIC = 0x5347_4333  # a summary's first word: "SGC3" (its fits of five terms, its requests held)
+_HEADER = 4
+"""A summary's words before its fits: the magic, when it was taken (Unix seconds), its replicas,
+the requests its gateway holds that can still meet their targets."""
+_GATEWAYS, _HELD = 1, 2
+"""Words of a row's first slot after its generation: in the other gateways' row, how many it
+sums; in every row, the requests held in admission queues (`held`) that can still meet their
+targets (the process's, or the other gateways' summed)."""
 
 
 def _size(rows: int) -> int:
@@ -187,8 +197,9 @@ class SharedCounts:
         """This gateway's counts for the other gateways (`take_all`), taken at `now` (monotonic) and
         `wall` (Unix seconds): per replica its processes' slots summed, their rates and
         request-seconds brought to `now`; per pool its processes' fit sums (of the basis most
-        answers were fitted against) and the latest of their correction factors. Other gateways'
-        rows are left out: each gateway speaks for itself alone."""
+        answers were fitted against) and the latest of their correction factors; the requests its
+        processes hold that can still meet their targets. Other gateways' rows are left out: each
+        gateway speaks for itself alone."""
         words, keys = self.words, self.keys
         slots: dict[int, list[float]] = {}
         for process in range(self.processes):
@@ -201,6 +212,7 @@ class SharedCounts:
         out = array("d", [0.0] * (_HEADER + FITS * FIT_FIELDS + len(slots) * FIELDS))
         out_keys = memoryview(out).cast("B").cast("q")
         out_keys[0], out[1], out_keys[2] = _MAGIC, wall, len(slots)
+        out[3] = sum(words[process * SLOTS * FIELDS + _HELD] for process in range(self.processes))
         for fit in range(FITS):
             processes = [(words, self._fit_base(process, fit)) for process in range(self.processes)]
             _merge_fits(out, _HEADER + fit * FIT_FIELDS, processes)
@@ -222,7 +234,7 @@ class SharedCounts:
         work does not grow with the gateways."""
         slots: dict[int, list[float]] = {}
         taken: list[list[tuple[memoryview[float], int]]] = [[] for _ in range(FITS)]
-        counted = 0
+        counted, held = 0, 0.0
         for name in sorted(summaries):
             parsed = _parsed(summaries[name]) if name != me and counted < most else None
             if parsed is None:
@@ -231,7 +243,7 @@ class SharedCounts:
             age = wall - words[1]
             if not -stale_s <= age <= stale_s:
                 continue
-            counted, age = counted + 1, max(age, 0.0)
+            counted, age, held = counted + 1, max(age, 0.0), held + words[3]
             for key, at in found.items():  # (a summary's times are 0, its taking: `age` is now on its clock)
                 _add_slot(slots.setdefault(key, [0.0] * FIELDS), words, at, windows, age)
             for fit in range(FITS):
@@ -239,10 +251,12 @@ class SharedCounts:
         fits = [array("d", [0.0] * FIT_FIELDS) for _ in range(FITS)]
         for merged, gateways in zip(fits, taken, strict=True):
             _merge_fits(merged, 0, gateways)
-        self._write_others(slots, fits, now, counted)
+        self._write_others(slots, fits, now, counted, held)
         return counted
 
-    def _write_others(self, slots: dict[int, list[float]], fits: list[array[float]], now: float, counted: int) -> None:
+    def _write_others(
+        self, slots: dict[int, list[float]], fits: list[array[float]], now: float, counted: int, held: float
+    ) -> None:
         row = self.processes
         for fit in range(FITS):
             base, taken = self._fit_base(row, fit), memoryview(fits[fit]).cast("B").cast("q")
@@ -269,7 +283,8 @@ class SharedCounts:
                 self.words[base + _RATES + 3 * i + 2] = now
             self.words[base + _REQUEST_SECONDS + 1] = now
             self.keys[base] = key  # last: a reader finds it only once it is written
-        self.words[start * FIELDS + 1] = counted
+        self.words[start * FIELDS + _GATEWAYS] = counted
+        self.words[start * FIELDS + _HELD] = held
         if changed:
             self.keys[start * FIELDS] += 1
 
@@ -282,11 +297,22 @@ class SharedCounts:
     def forget(self) -> None:
         """Count no other gateway: their counts are stale (Redis away)."""
         if self.others:
-            self._write_others({}, [array("d", [0.0] * FIT_FIELDS) for _ in range(FITS)], 0.0, 0)
+            self._write_others({}, [array("d", [0.0] * FIT_FIELDS) for _ in range(FITS)], 0.0, 0, 0.0)
 
     def gateways_counted(self) -> int:
         """The other gateways whose counts the row kept for them sums."""
-        return int(self.words[self.processes * SLOTS * FIELDS + 1]) if self.others else 0
+        return int(self.words[self.processes * SLOTS * FIELDS + _GATEWAYS]) if self.others else 0
+
+    def hold(self, live: int) -> None:
+        """Publish how many requests this process holds in its admission queue that can still meet
+        their targets: while any process or gateway in front of the fleet holds such a request, the
+        others place none whose target has passed (`policies/admission.py`)."""
+        self.words[self.index * SLOTS * FIELDS + _HELD] = live
+
+    def held_elsewhere(self) -> float:
+        """The requests the other processes, and the other gateways as last exchanged, hold that can
+        still meet their targets."""
+        return sum(self.words[row * SLOTS * FIELDS + _HELD] for row in range(self.rows) if row != self.index)
 
     def close(self) -> None:
         self.words.release()
@@ -435,7 +461,9 @@ def _parsed(summary: bytes) -> tuple[memoryview[float], dict[int, int]] | None:
     replicas = keys[2]
     if keys[0] != _MAGIC or not 0 <= replicas < SLOTS or len(words) != _HEADER + FITS * FIT_FIELDS + replicas * FIELDS:
         return None
-    floats = [words[1]]
+    if words[3] < 0:
+        return None
+    floats = [words[1], words[3]]
     for fit in range(FITS):
         at = _HEADER + fit * FIT_FIELDS
         floats += words[at + _FITTED : at + _FACTORS_BASIS]
