@@ -19,9 +19,10 @@ learned when it ends. The order is that of first tokens, not of arrivals: under 
 waits in a queue for long before its answer begins, and one that arrived early and waits would hold
 back the lengths of all those running meanwhile, so the band's prior would price requests for as
 long as the queue is deep (code completions, a tenth of the prior's length, priced at the prior).
-Even so, the few first known are those before the first long answer, still running: a group's
-first lengths are averaged with its band's prior, worth `PRIOR_WEIGHT` of them, until its own
-outweigh it.
+Even so, the few first known are those before the first long answer, still running, and a few
+heavy-tailed lengths say little: a group's mean is pulled toward its band's prior by as much as the
+mean's own error could explain the gap between them (`shrunk`). A mean of a few lengths near the
+prior stays near it; one far from it (code completions, a tenth of the prior) is soon taken as it is.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ BAND_EDGES = (256, 1024, 4096)
 PRIORS = (200, 200, 150, 60)
 """Cold-start expected output tokens per band."""
 SMOOTHING = 0.05
-PRIOR_WEIGHT = 10
-"""How many lengths a band's prior is worth to a group that starts learning: the first few to be
-known are the first few to finish, not a fair sample (see above), and do not replace it alone."""
+SPREAD = 1.0
+"""Lengths' standard deviation over their mean, as a band's prior supposes them (the Azure traces'
+bands: 0.5-0.85 in the conversation trace, 1.7-2.8 in the code trace)."""
 MAX_GROUPS = 4096
 """Groups learned at most. `x-request-class` is the client's to choose: a client sending a new class
 with every request must not grow the gateway's memory without end. Once this many are known, a
@@ -56,6 +57,16 @@ Key = tuple[str, int, str]
 
 def band(prompt_tokens: int) -> int:
     return bisect.bisect_right(BAND_EDGES, prompt_tokens)
+
+
+def shrunk(mean: float, worth: float, prior: float) -> float:
+    """A group's expected length from its mean, worth `worth` lengths, and its band's prior:
+    pulled toward the prior in the ratio of the mean's variance (at the prior's `SPREAD`) to the
+    squared gap between them (empirical Bayes, the gap standing for how far groups' means stray
+    from their prior). The prior moves it by at most half the mean's standard error, so it never
+    holds a group far from lengths it has learned, however wrong the prior."""
+    variance = (SPREAD * prior) ** 2 / worth
+    return mean + (prior - mean) * variance / (variance + (prior - mean) ** 2)
 
 
 @dataclass(eq=False)
@@ -75,7 +86,7 @@ class Pending:
 class LengthStats:
     """Mutable, owned by whoever routes (the gateway, the offline simulator); read by `expected`."""
 
-    groups: GroupMeans[Key] = field(default_factory=lambda: GroupMeans(SMOOTHING, MAX_GROUPS, PRIOR_WEIGHT))
+    groups: GroupMeans[Key] = field(default_factory=lambda: GroupMeans(SMOOTHING, MAX_GROUPS))
     _queues: dict[Key, deque[Pending]] = field(default_factory=dict)
     """Per group, its answers begun and not yet learned, in the order they began."""
 
@@ -128,7 +139,7 @@ class LengthStats:
             del self._queues[key]
 
     def _learn(self, key: Key, length: int) -> None:
-        self.groups.observe(key, length, PRIORS[key[1]])
+        self.groups.observe(key, length)
 
     def expected(
         self,
@@ -142,8 +153,9 @@ class LengthStats:
         if hint is not None:
             estimate = float(hint)
         else:
-            b = band(prompt_tokens)
-            estimate = self.groups.means.get((model, b, request_class), float(PRIORS[b]))
+            key = (model, band(prompt_tokens), request_class)
+            mean, prior = self.groups.means.get(key), float(PRIORS[key[1]])
+            estimate = prior if mean is None else shrunk(mean, self.groups.worth(key), prior)
         if max_tokens is not None:
             estimate = min(estimate, max_tokens)
         return max(round(estimate), 1)

@@ -4,18 +4,19 @@ from specgate.policies.length import (
     MAX_GROUPS,
     MAX_PENDING,
     MAX_WAIT_S,
-    PRIOR_WEIGHT,
     PRIORS,
+    SPREAD,
     LengthStats,
     Pending,
     band,
+    shrunk,
 )
 
 
 def with_prior(*lengths: int) -> int:
-    """What a group of the first band expects after its first few `lengths`: their mean with the
-    band's prior, worth `PRIOR_WEIGHT` of them."""
-    return round((PRIORS[0] * PRIOR_WEIGHT + sum(lengths)) / (PRIOR_WEIGHT + len(lengths)))
+    """What a group of the first band expects after its first few `lengths`: their mean, drawn
+    toward the band's prior."""
+    return round(shrunk(sum(lengths) / len(lengths), len(lengths), PRIORS[0]))
 
 
 @pytest.mark.parametrize(
@@ -33,8 +34,8 @@ def test_bands(prompt: int, expected: int) -> None:
         ([], 100, None, 50, 50),  # never above max_tokens
         ([], 100, 700, None, 700),  # the client's hint wins
         ([], 100, 700, 300, 300),  # ... within max_tokens
-        # the first lengths known, averaged with the band's prior, worth PRIOR_WEIGHT of them
-        ([(100, 10), (120, 30)], 150, None, None, with_prior(10, 30)),
+        # the first lengths known, their mean (20) drawn toward the band's prior (200)
+        ([(100, 10), (120, 30)], 150, None, None, 89),
         ([(100, 10), (120, 30)], 2000, None, None, PRIORS[2]),  # another band has not learned
     ],
 )
@@ -158,3 +159,22 @@ def test_a_group_far_from_its_prior_is_learned_within_dozens_of_requests() -> No
         stats.observe("m", 100, 2000, "essays")
     assert stats.expected("m", 100) < 30
     assert stats.expected("m", 100, request_class="essays") > 1800
+
+
+def test_a_few_lengths_far_from_the_prior_outweigh_it_and_a_few_near_it_do_not() -> None:
+    short, near = LengthStats(), LengthStats()
+    for _ in range(10):  # code completions: a tenth of the band's prior
+        short.observe("m", 100, 20)
+    assert 20 < short.expected("m", 100) < 50
+    for length in (60, 150, 240):  # as spread as lengths are, and about the prior
+        near.observe("m", 100, length)
+    assert abs(near.expected("m", 100) - PRIORS[0]) < 10
+
+
+@pytest.mark.parametrize("mean", [1.0, 20.0, 150.0, 199.0, 201.0, 400.0, 5000.0])
+@pytest.mark.parametrize("worth", [1.0, 3.0, 39.0])
+def test_the_prior_moves_a_mean_toward_it_by_at_most_half_its_standard_error(mean: float, worth: float) -> None:
+    prior = 200.0
+    estimate = shrunk(mean, worth, prior)
+    assert min(mean, prior) <= estimate <= max(mean, prior)
+    assert abs(estimate - mean) <= SPREAD * prior / worth**0.5 / 2 + 1e-9
