@@ -133,3 +133,44 @@ def test_several_processes_need_pools_of_their_own() -> None:
     assert done.returncode == 2
     assert "--workers" in done.stderr
     assert "--config" in done.stderr
+
+
+# A process that makes a POSIX shared memory segment, says its name, and waits, deaf to SIGTERM:
+# killed with its group, its resource tracker (which would unlink the segment) goes too, as with
+# vLLM's helpers.
+_HOLDS_SHARED_MEMORY = """
+import signal, sys, time
+from multiprocessing import shared_memory
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+segment = shared_memory.SharedMemory(create=True, size=1 << 20)
+if len(sys.argv) > 1:  # and maps one made by someone else
+    other = shared_memory.SharedMemory(name=sys.argv[1])
+print(segment.name, flush=True)
+time.sleep(600)
+"""
+
+
+async def started_holding(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    log = tmp_path / f"{name}.log"
+    proc = launch.spawn([sys.executable, "-c", _HOLDS_SHARED_MEMORY, *args], log)
+    for _ in range(200):
+        if lines := log.read_text().split():
+            return proc, launch.SHARED_MEMORY / lines[0].lstrip("/")
+        await asyncio.sleep(0.05)
+    raise AssertionError(log.read_text())
+
+
+@pytest.mark.skipif(not launch.SHARED_MEMORY.is_dir(), reason="no /dev/shm")
+async def test_a_stopped_group_leaves_no_shared_memory_but_what_others_still_map(tmp_path: Path) -> None:
+    outside, kept = await started_holding(tmp_path, "outside")
+    try:
+        inside, left = await started_holding(tmp_path, "inside", kept.name)
+        try:
+            assert launch.shared_memory(inside.pid) >= {left, kept}
+        finally:
+            await launch.terminate(inside, grace_s=0.5)  # SIGTERM ignored: SIGKILL to the group
+        assert not left.exists()  # its own, gone with it
+        assert kept.exists()  # mapped by a process still running: not its to remove
+    finally:
+        await launch.terminate(outside, grace_s=0.5)
+    assert not kept.exists()

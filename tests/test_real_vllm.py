@@ -57,11 +57,13 @@ def test_pools_up_detached_and_down(tmp_path: Path) -> None:
     assert (tmp_path / "logs" / "plain-0.log").stat().st_size > 0
     pid = json.loads((tmp_path / "logs" / "pools.json").read_text())[0]["pid"]
     assert alive(pid)  # still running after `pools up` returned
+    mapped = launch.shared_memory(pid)
     down = subprocess.run([*cli, "down", "--config", str(config)], capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
     assert "plain-0" in down.stdout
     assert not alive(pid)
     assert not launch.group_alive(pid)  # the engine core and its helpers went with it
+    assert not [path for path in mapped if path.exists()]  # and their shared memory (vLLM's queues)
 
 
 @dataclass

@@ -3,7 +3,10 @@
 A child is started with its output in a log file (a pipe nobody reads would fill and stall it),
 in a process group of its own, and on Linux it is told to die with its parent, so a gateway
 killed outright leaves no orphans. It is stopped with its whole group: vLLM's engine core and
-its multiprocessing helpers (which ignore SIGTERM) go with the server that started them.
+its multiprocessing helpers (which ignore SIGTERM) go with the server that started them. What
+shared memory the group had mapped is removed after it, unless something else still maps it: a
+vLLM server stopped with its group left its message queues' segments in /dev/shm (400 MB of memory
+a server, for good), the helper that would have removed them stopped with the rest.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -117,21 +120,76 @@ def signal_group(pgid: int, sig: signal.Signals) -> None:
 
 def group_alive(pgid: int) -> bool:
     """Whether any process of the group still runs (zombies awaiting their reaper do not)."""
+    return any(True for _ in _members(pgid))
+
+
+def _members(pgid: int) -> Iterator[Path]:
+    """The /proc directories of the group's running processes."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
             if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
+                yield stat.parent
+
+
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def shared_memory(pgid: int) -> set[Path]:
+    """The files of /dev/shm the group's processes map (POSIX shared memory and semaphores): what
+    they leave behind, in memory, if they are stopped before they unlink them."""
+    return {path for member in _members(pgid) for path in _mapped(member)}
+
+
+def remove_unmapped(paths: Collection[Path]) -> list[Path]:
+    """Unlink those of `paths` (a stopped group's shared memory) that no running process maps;
+    the paths removed."""
+    if not paths:
+        return []
+    mapped = set().union(*(_mapped(member) for member in Path("/proc").glob("[0-9]*")))
+    removed = []
+    for path in sorted(set(paths) - mapped):
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _mapped(member: Path) -> set[Path]:
+    """The files of /dev/shm a process maps, by its /proc directory (none if it is gone)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for line in (member / "maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(f"{SHARED_MEMORY}/") and not fields[5].endswith("(deleted)"):
+                found.add(Path(fields[5]))
+    return found
 
 
 async def terminate(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     """SIGTERM to the child's whole group, then SIGKILL to whatever of it is left after `grace_s`
-    seconds (or as soon as the child itself is gone); returns once the child is reaped."""
+    seconds (or as soon as the child itself is gone); returns once the child is reaped and, within
+    `GROUP_GONE_S` more, the rest of its group gone and their shared memory removed."""
+    mapped = shared_memory(proc.pid)
     signal_group(proc.pid, signal.SIGTERM)
     await _reaped(proc, grace_s)
     signal_group(proc.pid, signal.SIGKILL)  # stragglers: helpers that ignore SIGTERM
     await _reaped(proc, math.inf)
+    await _group_gone(proc.pid, GROUP_GONE_S)
+    remove_unmapped(mapped)
+
+
+GROUP_GONE_S = 5.0
+"""How long after a SIGKILL the processes of a group may take to be gone (their memory freed)."""
+
+
+async def _group_gone(pgid: int, wait_s: float) -> None:
+    """Until no process of the group runs, or `wait_s` seconds have passed."""
+    deadline = time.monotonic() + wait_s
+    while group_alive(pgid):
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.05)
 
 
 async def _reaped(proc: subprocess.Popen[bytes], wait_s: float) -> None:

@@ -364,14 +364,17 @@ def ours(pid: int) -> bool:
 
 
 async def stop_group(pid: int, grace_s: float = 30.0) -> None:
-    """Stop a recorded server and every process of its group: SIGTERM, then SIGKILL after `grace_s`."""
+    """Stop a recorded server and every process of its group: SIGTERM, then SIGKILL after
+    `grace_s`; then remove the shared memory they left (`launch.remove_unmapped`)."""
+    mapped = launch.shared_memory(pid)
     launch.signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     await _until(lambda: not alive(pid), deadline)
     # The engine core and vLLM's multiprocessing helpers may outlive the API server (some ignore
     # SIGTERM, and GPU memory stays held while they run): the whole group goes.
     launch.signal_group(pid, signal.SIGKILL)
-    await _until(lambda: not launch.group_alive(pid), deadline + 5)
+    await _until(lambda: not launch.group_alive(pid), deadline + launch.GROUP_GONE_S)
+    launch.remove_unmapped(mapped)
 
 
 async def _until(done: Callable[[], bool], deadline: float) -> None:
