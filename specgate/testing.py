@@ -224,6 +224,11 @@ async def running_app(app: web.Application, runner: web.AppRunner | None = None)
         await runner.cleanup()
 
 
+async def equals(value: Awaitable[object], expected: object) -> bool:
+    """Whether `value`, awaited, is `expected`: a check for `until` from a reading that is awaited."""
+    return await value == expected
+
+
 async def until(check: Callable[[], Awaitable[bool]], timeout_s: float) -> bool:
     """Whether `check` came true within `timeout_s`, asked every 50 ms."""
     deadline = asyncio.get_running_loop().time() + timeout_s

@@ -11,7 +11,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from specgate.gateway.server import Limits
 from specgate.gateway.state import RELAY
 from specgate.policies.decision import Shedding
 from specgate.policies.document import PolicyDocument
-from specgate.testing import RedisServer, SimProcess, running_app, sample_value, until
+from specgate.testing import RedisServer, SimProcess, equals, running_app, sample_value, until
 from specgate.workers import launch
 from specgate.workers.pools import FleetSettings
 from specgate.workers.shared import SharedCounts
@@ -314,19 +314,15 @@ async def test_a_gateway_tells_the_other_gateways_how_many_requests_it_holds_tha
                 await exchange.once()
                 return other.held_elsewhere()
 
-            assert await until(lambda: _equals(seen(), 1.0), timeout_s=5.0)
+            assert await until(lambda: equals(seen(), 1.0), timeout_s=5.0)
             assert await gateway_sample(url, "specgate_queue_held_elsewhere") == 0.0  # it is the only one
             response = await held
             assert response.status == 200
             await response.read()
-            assert await until(lambda: _equals(seen(), 0.0), timeout_s=5.0)
+            assert await until(lambda: equals(seen(), 0.0), timeout_s=5.0)
     finally:
         await exchange.close()
         other.close()
-
-
-async def _equals(value: Awaitable[float], expected: float) -> bool:
-    return await value == expected
 
 
 async def gateway_sample(url: str, name: str, **labels: str) -> float | None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from specgate.cli.serve import ADMIN_TOKEN_ENV
-from specgate.testing import RedisServer, SimProcess, gateway_config, sample_value, until
+from specgate.testing import RedisServer, SimProcess, equals, gateway_config, sample_value, until
 from specgate.workers import launch
 
 MODEL = "sim-model"
@@ -117,16 +117,16 @@ async def test_gateways_on_one_redis_count_each_others_requests(
             started = [asyncio.Event() for _ in range(8)]
             streams = [asyncio.create_task(stream(session, alone_url, e)) for e in started]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=30)
-            assert await until(lambda: _is(counted(pair_url), (8, 1.0)), timeout_s=5.0), await counted(pair_url)
+            assert await until(lambda: equals(counted(pair_url), (8, 1.0)), timeout_s=5.0), await counted(pair_url)
             for _ in range(6):  # whichever of its processes answers
                 assert await counted(pair_url) == (8, 1.0)
             assert await counted(alone_url) == (8, 1.0)  # its own; the pair, with nothing in flight, counted
             launch.signal_group(alone.pid, signal.SIGKILL)
             assert not any(await asyncio.gather(*streams))
-            assert await until(lambda: _is(counted(pair_url), (0, 0.0)), timeout_s=5.0), await counted(pair_url)
+            assert await until(lambda: equals(counted(pair_url), (0, 0.0)), timeout_s=5.0), await counted(pair_url)
             assert all(await asyncio.gather(*(stream(session, pair_url, asyncio.Event()) for _ in range(2))))
             redis_server.stop()  # the exchange fails, the gateway serves on
-            assert await until(lambda: _is(failures(pair_url), True), timeout_s=5.0)
+            assert await until(lambda: equals(failures(pair_url), True), timeout_s=5.0)
             assert all(await asyncio.gather(*(stream(session, pair_url, asyncio.Event()) for _ in range(2))))
     finally:
         for p in (alone, pair):
@@ -136,7 +136,3 @@ async def test_gateways_on_one_redis_count_each_others_requests(
 async def failures(url: str) -> bool:
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
         return (sample_value(await r.text(), "specgate_count_exchange_failures_total") or 0.0) > 0
-
-
-async def _is(value: Awaitable[object], expected: object) -> bool:
-    return await value == expected

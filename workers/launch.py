@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -175,7 +175,7 @@ async def terminate(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> Non
     await _reaped(proc, grace_s)
     signal_group(proc.pid, signal.SIGKILL)  # stragglers: helpers that ignore SIGTERM
     await _reaped(proc, math.inf)
-    await _group_gone(proc.pid, GROUP_GONE_S)
+    await wait_until(lambda: not group_alive(proc.pid), time.monotonic() + GROUP_GONE_S)
     remove_unmapped(mapped)
 
 
@@ -183,13 +183,12 @@ GROUP_GONE_S = 5.0
 """How long after a SIGKILL the processes of a group may take to be gone (their memory freed)."""
 
 
-async def _group_gone(pgid: int, wait_s: float) -> None:
-    """Until no process of the group runs, or `wait_s` seconds have passed."""
-    deadline = time.monotonic() + wait_s
-    while group_alive(pgid):
-        if time.monotonic() > deadline:
+async def wait_until(done: Callable[[], bool], deadline: float) -> None:
+    """Until `done()`, asked every 0.1 s, or the monotonic clock reaches `deadline`."""
+    while time.monotonic() < deadline:
+        if done():
             return
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
 
 
 async def _reaped(proc: subprocess.Popen[bytes], wait_s: float) -> None:

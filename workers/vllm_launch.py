@@ -38,7 +38,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -369,19 +369,12 @@ async def stop_group(pid: int, grace_s: float = 30.0) -> None:
     mapped = launch.shared_memory(pid)
     launch.signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    await _until(lambda: not alive(pid), deadline)
+    await launch.wait_until(lambda: not alive(pid), deadline)
     # The engine core and vLLM's multiprocessing helpers may outlive the API server (some ignore
     # SIGTERM, and GPU memory stays held while they run): the whole group goes.
     launch.signal_group(pid, signal.SIGKILL)
-    await _until(lambda: not launch.group_alive(pid), deadline + launch.GROUP_GONE_S)
+    await launch.wait_until(lambda: not launch.group_alive(pid), deadline + launch.GROUP_GONE_S)
     launch.remove_unmapped(mapped)
-
-
-async def _until(done: Callable[[], bool], deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if done():
-            return
-        await asyncio.sleep(0.1)
 
 
 def restart(plan: LaunchPlan, spec: ServerSpec, record: Record) -> Running:
