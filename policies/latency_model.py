@@ -16,9 +16,11 @@ one that ends):
   Chunked prefill of the prompts still arriving rides along and slows those steps: at the
   replica's recent rate of prompt tokens (a burst's excess over its steady rate counted for about
   as long again as the burst has lasted, not the request's whole life), that prefill takes a share f
-  of its time, and TPOT is divided by 1 - f; and however recent the rate, a batch of B + 1 is
-  replaced about once in the lifetime of each of its requests, so their prefills, spread over
-  this request's output tokens, are added to it if that comes to more.
+  of its time, and TPOT is divided by 1 - f, up to the TPOT of steps that each carry a whole chunk
+  (the token budget less the batch's decodes): however many prompts arrive, a step prefills no
+  more and still emits its tokens (on a speculative replica, several); and however recent the
+  rate, a batch of B + 1 is replaced about once in the lifetime of each of its requests, so their
+  prefills, spread over this request's output tokens, are added to it if that comes to more.
 - Harm: what joining costs the B requests already there: the steps that prefill this prompt stall
   all of them, and every later step is slower by the rise in step time from B to B + 1, for as
   many steps as this request stays; summed over the B requests.
@@ -60,7 +62,6 @@ def _scaled(a: Vector, factor: float) -> Vector:
     return a[0] * factor, a[1] * factor, a[2] * factor
 
 
-MAX_PREFILL_SHARE = 0.9
 STEP_SPREAD = 0.03
 """Relative spread of a request's stall-free TPOT that the batch and contexts alone cause."""
 OVERLAP = 0.5
@@ -96,6 +97,16 @@ class Prediction:
     prices it, at least as much as the pool's quiet answers are seen to spread (`Scales.tpot_spread`)."""
     stalls_per_s: float = 0.0
     """How often prompts arrive at the replica and stall its decoding."""
+    chunk_stall_ms: float = 0.0
+    """The most that prefill can stall one of its steps: a step carries at most a chunk of the
+    prompts arriving (the token budget less the batch's decodes) and still emits its tokens, so
+    however many prompts arrive, its decoding is slowed by at most this a step."""
+    tokens_per_step: float = 1.0
+    """The tokens each of its steps emits on average (its own acceptance's, on a speculative replica)."""
+    step_cv: float = 0.0
+    """How those tokens spread from step to step (standard deviation over mean): a speculative
+    step emits its accepted drafts and one more, so a short answer may take a step or two more
+    than its mean, or fewer; 0 on a plain replica, whose steps emit one token each."""
     output_spread: float = 0.0
     """Log-normal sigma of the output length around `output_tokens` (0 when the client gave it)."""
     max_output_tokens: int | None = None
@@ -246,12 +257,18 @@ class LatencyModel:
         rate, tokens_per_s = replica.prompt_rates((ttft_ms + decode_tpot * gaps) / 1e3)
         arriving = tokens_per_s / rate if rate > 0 else prompt
         stall_ms = arriving * per_token_ms * scales.prefill * factor
-        share = min(rate * stall_ms / 1e3, MAX_PREFILL_SHARE)
+        share = rate * stall_ms / 1e3
         queued_stalls = rate * ttft_ms / 1e3 * arriving * per_token_ms / gaps  # times the prefill scale
-        tpot = (decode_tpot + queued_stalls * scales.prefill * factor) / (1.0 - share)
+        # However many prompts arrive, a step carries at most a chunk of them beside its decodes
+        # (the token budget less theirs) and still emits its tokens: TPOT is at most every step so.
+        joined_chunk = max(self.max_num_batched_tokens - (running + 1) * (1 + k), 1)
+        chunk_stall_ms = max(self._terms(pool, running + 1, context, joined_chunk)[2], 0.0) * scales.prefill * factor
+        unstalled = decode_tpot + queued_stalls * scales.prefill * factor
+        every_step_stalled = decode_tpot + chunk_stall_ms / tokens_per_step
+        per_gap = min(1.0 / (1.0 - share) if share < 1.0 else math.inf, every_step_stalled / unstalled)
+        tpot = unstalled * per_gap
         # TPOT term by term (before its factor), the stalls' share held where it is: what the
         # step-cost fit needs.
-        per_gap = 1.0 / (1.0 - share)
         tpot_terms = (
             joined[0] / tokens_per_step * per_gap,
             joined[1] / tokens_per_step * per_gap,
@@ -279,6 +296,9 @@ class LatencyModel:
             stalls=stalls,
             spread=max(self._spec_spread if pool is Pool.SPECULATIVE else STEP_SPREAD, scales.tpot_spread),
             stalls_per_s=rate,
+            chunk_stall_ms=chunk_stall_ms,
+            tokens_per_step=tokens_per_step,
+            step_cv=self._step_cv if pool is Pool.SPECULATIVE else 0.0,
             output_spread=0.0 if features.output_hinted else OUTPUT_SPREAD,
             max_output_tokens=features.max_tokens,
             output_tokens=output,
@@ -300,6 +320,16 @@ class LatencyModel:
         acceptance = (steps(high) - steps(low)) / 2 / steps(mean)
         return math.hypot(acceptance, STEP_SPREAD)
 
+    @cached_property
+    def _step_cv(self) -> float:
+        """Relative spread of the tokens a speculative step emits: its k drafts accepted in a run,
+        each with the profile's mean acceptance, and one token more."""
+        spec = self.profile.spec
+        a, k = spec.acceptance_mean, spec.num_speculative_tokens
+        emitted = [(j, a ** (j - 1) * (1 - a)) for j in range(1, k + 1)] + [(k + 1, a**k)]
+        mean = sum(j * p for j, p in emitted)
+        return math.sqrt(max(sum(j * j * p for j, p in emitted) - mean * mean, 0.0)) / mean
+
     def tpot_met_probability(self, prediction: Prediction, slo_tpot_ms: float) -> float:
         """The chance this request's TPOT stays within `slo_tpot_ms`.
 
@@ -308,7 +338,10 @@ class LatencyModel:
         waits for its first token (those queue behind it and are prefilled as it starts decoding)
         and while it decodes; the answer meets its TPOT if at most k of them land, with k what the
         target leaves room for above the stall-free TPOT, averaged over how that TPOT spreads from
-        request to request.
+        request to request (and, on a speculative replica, from step to step: a short answer's few
+        steps do not average their tokens out). However many land, a step carries at most a chunk of prefill beside its
+        decodes: an answer that meets the target with every one of its steps so stalled meets it
+        for sure.
         """
         chance = 0.0
         for output, output_weight in self._outputs(prediction):
@@ -319,9 +352,17 @@ class LatencyModel:
                 stalls = prediction.stalls
             else:
                 stalls = prediction.stalls_per_s * (prediction.ttft_ms + prediction.tpot_ms * gaps) / 1e3
+            # The steps it takes: a speculative step's tokens vary, and over a few steps they
+            # do not average out (the relative spread of a sum of n falls as 1 / sqrt(n)).
+            steps = gaps / prediction.tokens_per_step
+            spread = math.hypot(prediction.spread, prediction.step_cv / math.sqrt(steps))
             for z, weight in _NORMAL_NODES:
-                room_ms = (slo_tpot_ms - prediction.decode_tpot_ms * math.exp(prediction.spread * z)) * gaps
+                slower = math.exp(spread * z)
+                room_ms = (slo_tpot_ms - prediction.decode_tpot_ms * slower) * gaps
                 if room_ms < 0:
+                    continue
+                if room_ms >= steps * slower * prediction.chunk_stall_ms:
+                    chance += output_weight * weight  # met even were every step of it stalled
                     continue
                 allowed = int(room_ms // prediction.stall_ms) if prediction.stall_ms > 0 else None
                 chance += output_weight * weight * (1.0 if allowed is None else _poisson_cdf(allowed, stalls))

@@ -58,14 +58,18 @@ def test_one_gateway_is_the_same_whether_it_counts_a_share_or_not() -> None:
 def test_gateways_on_shared_counts_route_as_one() -> None:
     """Three gateways that count each other's requests as they are sent, fit from each other's
     answers and move one set of correction factors (as the processes of one gateway do) meet
-    at least about what one gateway meets (here 0.657 against 0.633: their decisions differ, not
-    for the worse); counting only their own, far less."""
-    base = Job(Cell(), 2.0, 1, "share", "adaptive", 0, 300, str(TRACES))
-    one = run(base)["slo_attainment"]
-    shared = run(replace(base, gateways=3, counting="shared"))["slo_attainment"]
-    own = run(replace(base, gateways=3, counting="own"))["slo_attainment"]
-    assert shared >= one - 0.02, (shared, one)
-    assert own < one - 0.05, (own, one)
+    about what one gateway meets (their decisions differ, and a run of 300 requests swings by 2-3
+    points either way with them: over three seeds, 0.627 against 0.622); counting only their own,
+    far less."""
+    ones, shared, own = [], [], []
+    for seed in (0, 1, 2):
+        base = Job(Cell(), 2.0, 1, "share", "adaptive", seed, 300, str(TRACES))
+        ones.append(run(base)["slo_attainment"])
+        shared.append(run(replace(base, gateways=3, counting="shared"))["slo_attainment"])
+        own.append(run(replace(base, gateways=3, counting="own"))["slo_attainment"])
+    one = statistics.mean(ones)
+    assert statistics.mean(shared) >= one - 0.01, (shared, ones)
+    assert statistics.mean(own) < one - 0.05, (own, ones)
 
 
 @pytest.mark.skipif(not TRACES.exists(), reason="the shared Azure traces are beside the checkout")

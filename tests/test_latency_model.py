@@ -11,6 +11,7 @@ from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B, Profile
 from specgate.policies.features import RequestFeatures
 from specgate.policies.latency_model import LatencyModel
+from specgate.sim.engine import Engine, EngineConfig
 from specgate.sim.probes import run_alone
 from specgate.workers.latency_fit import LatencyFit, predicted_ms
 from specgate.workers.pools import Fleet, FleetSettings, Replica
@@ -79,6 +80,48 @@ def test_a_burst_of_prompts_stalls_a_short_life_all_through_and_a_long_one_only_
     at_steady, with_burst = tpot(long), tpot(long, burst=burst)
     all_burst = tpot(long, arrivals_per_s=burst.arrivals_per_s, prefill_tokens_per_s=burst.prefill_tokens_per_s)
     assert at_steady < with_burst < at_steady + (all_burst - at_steady) * 0.2
+
+
+@pytest.mark.parametrize("pool", list(Pool))
+def test_however_many_prompts_arrive_each_step_carries_one_chunk_of_them_and_still_emits_its_tokens(
+    pool: Pool,
+) -> None:
+    """An answer decoding while long prompts keep queueing behind it: every step of its life
+    prefills a chunk of them beside its decodes. Its TPOT is that step over the tokens a step
+    emits (on a speculative replica, several), however far the prompts outrun the replica."""
+    engine = Engine(H100_LLAMA31_8B, pool, EngineConfig(acceptance_concentration=0.0))
+    engine.add_request("answer", 512, 41, arrival=0.0)
+    for i in range(40):  # (more than its life's steps can prefill)
+        engine.add_request(f"prompt-{i}", 16_000, 1, arrival=0.0)
+    measured = None
+    while measured is None:
+        measured = next((f.tpot for f in engine.step().finished if f.request_id == "answer"), None)
+    model = LatencyModel(H100_LLAMA31_8B)
+    features = replace(FEATURES, expected_output_tokens=41, output_hinted=True)
+    for rate in (20.0, 200.0):  # prompts a second, past what it can prefill, and far past
+        flooded = idle(pool, arrivals_per_s=rate, prefill_tokens_per_s=rate * 16_000)
+        p = model.predict(flooded, features)
+        assert p.tpot_ms == pytest.approx(measured * 1e3, rel=0.15)
+        # (the target at the stalled steps, with the room the spread of the steps asks for)
+        assert model.tpot_met_probability(p, measured * 1e3 * 2) == pytest.approx(1.0)
+    # A replica that decodes one token a step stalls past a target that one of several does not.
+    assert (measured * 1e3 < 120.0) is (pool is Pool.SPECULATIVE)
+
+
+def test_a_short_answer_on_a_speculative_replica_spreads_by_the_tokens_its_few_steps_emit() -> None:
+    """A speculative step emits its accepted run of drafts and one token more: over a few steps
+    that does not average out, and short answers miss a target that long ones meet."""
+    model = LatencyModel(H100_LLAMA31_8B)
+    chances = {}
+    for output in (5, 257):
+        tpots = [run_alone(H100_LLAMA31_8B, Pool.SPECULATIVE, 512, output, seed=s).tpot for s in range(200)]
+        features = replace(FEATURES, expected_output_tokens=output, output_hinted=True)
+        p = model.predict(idle(Pool.SPECULATIVE), features)
+        target_ms = p.decode_tpot_ms * 1.5
+        measured = sum(t is not None and t * 1e3 <= target_ms for t in tpots) / len(tpots)
+        chances[output] = model.tpot_met_probability(p, target_ms)
+        assert chances[output] == pytest.approx(measured, abs=0.25), output
+    assert chances[5] < 0.9 < chances[257]
 
 
 def test_observed_tokens_per_step_replace_the_profiles() -> None:
