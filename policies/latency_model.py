@@ -327,7 +327,7 @@ class LatencyModel:
         spec = self.profile.spec
         a, k = spec.acceptance_mean, spec.num_speculative_tokens
         emitted = [(j, a ** (j - 1) * (1 - a)) for j in range(1, k + 1)] + [(k + 1, a**k)]
-        mean = sum(j * p for j, p in emitted)
+        mean = spec.expected_tokens_per_step()
         return math.sqrt(max(sum(j * j * p for j, p in emitted) - mean * mean, 0.0)) / mean
 
     def tpot_met_probability(self, prediction: Prediction, slo_tpot_ms: float) -> float:
@@ -339,9 +339,9 @@ class LatencyModel:
         and while it decodes; the answer meets its TPOT if at most k of them land, with k what the
         target leaves room for above the stall-free TPOT, averaged over how that TPOT spreads from
         request to request (and, on a speculative replica, from step to step: a short answer's few
-        steps do not average their tokens out). However many land, a step carries at most a chunk of prefill beside its
-        decodes: an answer that meets the target with every one of its steps so stalled meets it
-        for sure.
+        steps do not average their tokens out). However many land, a step carries at most a chunk
+        of prefill beside its decodes: an answer that meets the target with every one of its steps
+        so stalled meets it for sure.
         """
         chance = 0.0
         for output, output_weight in self._outputs(prediction):
