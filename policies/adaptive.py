@@ -9,10 +9,14 @@ best predicted completion (plus the weighted harm) wins. When none is, the reque
 a hint of when to retry if shedding is on and its priority is below the shedding line (and refused
 outright when no replica could meet its SLOs even idle, once the predictions that say so have been
 seen measured often enough to be trusted); otherwise it waits in the gateway's admission queue
-while a replica may soon offer more, and past saving it is served best-effort where it costs the
-other requests' SLOs least: on a replica whose requests are already late, else on the
-least-violating one. Under overload this keeps the replicas that still meet their SLOs meeting
-them, rather than spreading the overload until every replica misses. A small, deterministic share
+while a replica may soon offer more: while one of the requests on a replica may end before its
+TTFT target passes, or while other requests held in the gateway wait for the room it would take
+(else the best it is offered now is all it will be offered in time, and it goes there). Past
+saving, it is served best-effort only where it would meet its TPOT target without costing the
+requests already there theirs (with the admission queue off, where it costs their SLOs least: on
+a replica whose requests are already late, else on the least-violating one). Under overload this
+keeps the replicas that still meet their SLOs meeting them, rather than spreading the overload
+until every replica misses. A small, deterministic share
 of requests goes to the best feasible replica of the other pool, so the fitted step costs of the
 pool that is chosen less keep learning.
 """
@@ -93,11 +97,8 @@ class Adaptive:
             return ttft, 1.0
         return ttft, self.model.tpot_met_probability(prediction, tpot_ms)
 
-    def _options(
-        self, snapshot: Snapshot, features: RequestFeatures, ttft_ms: float | None, *, crowding: bool = True
-    ) -> list[_Option]:
-        """Every healthy replica as an option; with `crowding` off, each worth its chance alone
-        (for a request past saving, placed by its chance, not its worth)."""
+    def _options(self, snapshot: Snapshot, features: RequestFeatures, ttft_ms: float | None) -> list[_Option]:
+        """Every healthy replica as an option, for a TTFT target of `ttft_ms`."""
         output = self.model.expected_output(features)
         options = []
         tpot_ms = features.slo_tpot_ms
@@ -107,7 +108,7 @@ class Adaptive:
             ttft_chance, tpot_chance = self._chances(p, ttft_ms, tpot_ms)
             chance = worth = ttft_chance * tpot_chance
             # (Sure to meet, it costs the others nothing; out of reach, it is not placed for its worth.)
-            if crowding and 0.0 < chance < 1.0 and tpot_ms is not None and self.params.crowding_weight:
+            if 0.0 < chance < 1.0 and tpot_ms is not None and self.params.crowding_weight:
                 worth -= self.params.crowding_weight * self.model.crowding_loss(p, tpot_ms, tpot_chance)
             options.append(_Option(replica, p, chance, score, worth))
         return options
@@ -142,7 +143,12 @@ class Adaptive:
             # Waiting pays only while a replica could offer more than the best one offers now:
             # when even an idle one offers a long shot, the best long shot now is as good.
             best = max(options, key=lambda o: (o.worth, -o.score))
-            if best.worth > 0 and best.worth >= min(self.params.min_chance, reachable) * (1 - self.params.tolerance):
+            enough = min(self.params.min_chance, reachable) * (1 - self.params.tolerance)
+            # Nor while no replica will offer more before its target passes (`_may_offer`),
+            # unless other requests held in the gateway (itself aside) wait for the room it
+            # would take.
+            contended = snapshot.held - (1 if features.waited_ms else 0) >= 1
+            if best.worth > 0 and (best.worth >= enough or not (contended or self._may_offer(options, features))):
                 return self._decision(best, "best-chance")
             return Hold("queued")  # one may soon: wait in the gateway, not in a replica's queue
         if not features.waited_ms and admission.refuse_infeasible:
@@ -156,13 +162,33 @@ class Adaptive:
             least = min(hopeful, key=lambda o: (o.replica.checked, o.score))
             return self._decision(least, "unchecked", best_effort=True)
         # Its SLOs are lost: serve it best-effort, where it is sure to be served before the
-        # wait runs out, else wait in the gateway for such a place or for the end of the wait.
+        # wait runs out and would meet its TPOT target without costing the requests already there
+        # theirs (its worth, not its chance: a lost request spends no one's room), else wait in the
+        # gateway for such a place or for the end of the wait.
         left = admission.give_up_ms(features) - features.waited_ms
-        relaxed = self._options(snapshot, features, left, crowding=False)
-        best = max(relaxed, key=lambda o: (o.chance, -o.score))
-        if best.chance >= self.params.min_chance:
+        relaxed = self._options(snapshot, features, left)
+        best = max(relaxed, key=lambda o: (o.worth, -o.score))
+        if best.worth >= self.params.min_chance:
             return self._decision(best, "best-effort", best_effort=True)
         return Hold("best-effort")
+
+    def _may_offer(self, options: list[_Option], features: RequestFeatures) -> bool:
+        """Whether a replica may offer the request more before its TTFT target passes: whether
+        one of its requests is expected to finish in the time the target leaves beyond an idle
+        replica's TTFT (their remaining lives taken as spread evenly up to one whole answer like
+        its own). A tight TTFT target leaves the fleet no time to change: what it offers now is
+        all it will offer in time, and holding the request only runs out its target."""
+        remaining = features.remaining_ttft_ms
+        if remaining is None:
+            return True
+        output = self.model.expected_output(features)
+        for option in options:
+            replica, p = option.replica, option.prediction
+            slack = remaining * self.params.slo_margin - self.model.predict(replica.idle(), features).ttft_ms
+            life = max(p.ttft_ms + p.tpot_ms * output, 1e-3)
+            if slack > 0 and replica.load * slack / life >= 1.0:
+                return True
+        return False
 
     def _could_correct(self, replica: ReplicaState, features: RequestFeatures) -> bool:
         """Too few of the replica's pool's predictions seen measured to trust them, nothing of ours

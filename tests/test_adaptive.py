@@ -156,6 +156,37 @@ def test_a_replica_at_the_edge_of_its_tpot_target_takes_no_request_that_costs_th
     assert roomy.reason == "meets-slo"
 
 
+EDGE = Snapshot((state("plain-0", Pool.PLAIN, 40),))
+"""40 requests decoding at 43 ms a token: one more has a 5 in 6 chance of a 45 ms target there,
+and costs the 40 more than that."""
+
+
+def test_a_lost_request_takes_no_room_the_others_need() -> None:
+    """Past its TTFT target, a request is served where it would meet its TPOT without costing the
+    others theirs: at the edge its own 5 in 6 chance does not buy it the room the 40 need."""
+    lost = replace(FEATURES, slo_tpot_ms=45.0, waited_ms=1990.0)
+    assert Adaptive(MODEL, exploration=0.0).decide(lost, EDGE) == Hold("best-effort")
+    roomy = Adaptive(MODEL, exploration=0.0).decide(lost, Snapshot((state("plain-0", Pool.PLAIN, 20),)))
+    assert isinstance(roomy, Decision)
+    assert (roomy.reason, roomy.best_effort) == ("best-effort", True)
+
+
+def test_a_ttft_target_too_tight_for_the_fleet_to_change_is_not_waited_out() -> None:
+    """With 2 s to its first token, a request the edge replica is worth too little to waits for it
+    to free up. With 300 ms, none of its 40 requests (11 s answers) is expected to end in time:
+    waiting would only run out the target, and it goes now, unless other requests the gateway
+    holds wait for the same room."""
+    policy = Adaptive(MODEL, exploration=0.0)
+    assert policy.decide(replace(FEATURES, slo_tpot_ms=45.0), EDGE) == Hold("queued")
+    tight = replace(FEATURES, slo_ttft_ms=300.0, slo_tpot_ms=45.0)
+    served = policy.decide(tight, EDGE)
+    assert isinstance(served, Decision)
+    assert (served.replica.name, served.reason, served.best_effort) == ("plain-0", "best-chance", False)
+    assert policy.decide(tight, replace(EDGE, held=1.0)) == Hold("queued")
+    # (a request held itself is not its own contender)
+    assert isinstance(policy.decide(replace(tight, waited_ms=10.0), replace(EDGE, held=1.0)), Decision)
+
+
 def test_exploration_sends_the_configured_share_to_the_other_pool() -> None:
     policy = Adaptive(MODEL, exploration=0.1)
     reasons = [policy.decide(replace(FEATURES, sequence=i), IDLE) for i in range(1000)]

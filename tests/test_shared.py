@@ -191,6 +191,9 @@ def test_each_process_sees_the_requests_the_others_hold_that_can_still_be_saved(
     first.hold(3)
     alone.hold(9)  # no one to tell
     assert (first.held_elsewhere(), second.held_elsewhere(), alone.held_elsewhere()) == (0.0, 3.0, 0.0)
+    # a policy sees them all in the snapshot: its own process's and the others'
+    second.hold(1)
+    assert (first.snapshot(0.0).held, second.snapshot(0.0).held, alone.snapshot(0.0).held) == (4.0, 4.0, 9.0)
     first.hold(0)
     assert second.held_elsewhere() == 0.0
     first.hold(2)

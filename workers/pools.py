@@ -581,6 +581,8 @@ class Fleet:
         self._named = dict.fromkeys(Pool, 0)
         """Replicas named so far per pool: a new one takes the next number, never a used one."""
         self._arranged: tuple[Mapping[str, Pool], Collection[str]] = ({}, ())
+        self._held = 0
+        """Requests this process holds that can still meet their targets, as last told."""
         for pool, urls in pools.items():
             for url in urls:
                 self._join(pool, url)
@@ -594,8 +596,9 @@ class Fleet:
         return replica
 
     def hold(self, live: int) -> None:
-        """Publish how many requests this process holds that can still meet their targets, for the
-        other processes and gateways (`workers/shared.py`); alone, no one is told."""
+        """How many requests this process holds that can still meet their targets: in its
+        snapshots, and published for the other processes and gateways (`workers/shared.py`)."""
+        self._held = live
         if self.shared is not None:
             self.shared.hold(live)
 
@@ -664,7 +667,8 @@ class Fleet:
             total[0] += r.recent_steps
             total[1] += r.recent_accepted
         pooled = {pool: 1.0 + accepted / steps if steps > 0 else None for pool, (steps, accepted) in sums.items()}
-        return Snapshot(tuple(r.state(now, pooled[r.pool]) for r in self.replicas.values()))
+        states = tuple(r.state(now, pooled[r.pool]) for r in self.replicas.values())
+        return Snapshot(states, held=self._held + self.held_elsewhere())
 
     @staticmethod
     def scrape_age(replica: Replica) -> float:

@@ -145,6 +145,9 @@ class ReplicaState:
 @dataclass(frozen=True)
 class Snapshot:
     replicas: tuple[ReplicaState, ...]
+    held: float = 0.0
+    """Requests the gateway's admission queues hold (this process's, and the other processes' and
+    gateways' as they last told) that can still meet their targets: what waits for capacity."""
 
     def healthy(self, pool: Pool | None = None) -> tuple[ReplicaState, ...]:
         return tuple(r for r in self.replicas if r.healthy and (pool is None or r.pool is pool))
