@@ -191,9 +191,11 @@ def test_each_process_sees_the_requests_the_others_hold_that_can_still_be_saved(
     first.hold(3)
     alone.hold(9)  # no one to tell
     assert (first.held_elsewhere(), second.held_elsewhere(), alone.held_elsewhere()) == (0.0, 3.0, 0.0)
-    # a policy sees them all in the snapshot: its own process's and the others'
+    # a policy sees them all in the snapshot: its own process's and the others'; a gateway told
+    # nothing of the others' queues, its own as its share of the fleet's (here one of six)
     second.hold(1)
-    assert (first.snapshot(0.0).held, second.snapshot(0.0).held, alone.snapshot(0.0).held) == (4.0, 4.0, 9.0)
+    alone.share.own, alone.share.fleet = 50.0, 300.0
+    assert (first.snapshot(0.0).held, second.snapshot(0.0).held, alone.snapshot(0.0).held) == (4.0, 4.0, 54.0)
     first.hold(0)
     assert second.held_elsewhere() == 0.0
     first.hold(2)

@@ -668,7 +668,9 @@ class Fleet:
             total[1] += r.recent_accepted
         pooled = {pool: 1.0 + accepted / steps if steps > 0 else None for pool, (steps, accepted) in sums.items()}
         states = tuple(r.state(now, pooled[r.pool]) for r in self.replicas.values())
-        return Snapshot(states, held=self._held + self.held_elsewhere())
+        # Told nothing of the others' queues, this gateway's holds about its share of the fleet's.
+        share = self.share.value if self.shared is None and self.settings.count_share else 1.0
+        return Snapshot(states, held=self._held / share + self.held_elsewhere())
 
     @staticmethod
     def scrape_age(replica: Replica) -> float:

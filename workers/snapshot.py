@@ -146,8 +146,9 @@ class ReplicaState:
 class Snapshot:
     replicas: tuple[ReplicaState, ...]
     held: float = 0.0
-    """Requests the gateway's admission queues hold (this process's, and the other processes' and
-    gateways' as they last told) that can still meet their targets: what waits for capacity."""
+    """Requests the gateway's admission queues hold that can still meet their targets: what waits
+    for capacity. This process's and the other processes' and gateways' as they last told; told
+    nothing of them, this gateway's divided by its share of the fleet's work (`Share`)."""
 
     def healthy(self, pool: Pool | None = None) -> tuple[ReplicaState, ...]:
         return tuple(r for r in self.replicas if r.healthy and (pool is None or r.pool is pool))
