@@ -150,14 +150,19 @@ time.sleep(600)
 """
 
 
+async def said(log: Path) -> str:
+    """The first word a process started with `log` as its output writes there."""
+    for _ in range(200):
+        if words := log.read_text().split():
+            return words[0]
+        await asyncio.sleep(0.05)
+    raise AssertionError(log.read_text())
+
+
 async def started_holding(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
     log = tmp_path / f"{name}.log"
     proc = launch.spawn([sys.executable, "-c", _HOLDS_SHARED_MEMORY, *args], log)
-    for _ in range(200):
-        if lines := log.read_text().split():
-            return proc, launch.SHARED_MEMORY / lines[0].lstrip("/")
-        await asyncio.sleep(0.05)
-    raise AssertionError(log.read_text())
+    return proc, launch.SHARED_MEMORY / (await said(log)).lstrip("/")
 
 
 @pytest.mark.skipif(not launch.SHARED_MEMORY.is_dir(), reason="no /dev/shm")
@@ -174,3 +179,36 @@ async def test_a_stopped_group_leaves_no_shared_memory_but_what_others_still_map
     finally:
         await launch.terminate(outside, grace_s=0.5)
     assert not kept.exists()
+
+
+# A server whose helper takes a moment to leave on SIGTERM, and a semaphore of the kind vLLM's
+# multiprocessing makes: unlinked by the resource tracker once every process of the group is gone.
+_HOLDS_SEMAPHORE = """
+import multiprocessing, signal, sys, time
+
+def linger():
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.5), sys.exit(0)))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    lock = context.Lock()
+    context.Process(target=linger).start()
+    print(lock._semlock.name, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not launch.SHARED_MEMORY.is_dir(), reason="no /dev/shm")
+async def test_a_stopped_group_leaves_no_semaphore_behind(tmp_path: Path) -> None:
+    """The leader dies at SIGTERM, leaving its semaphore to the resource tracker, which unlinks it
+    once the helper has left too: killed as soon as the leader was gone, the tracker left it."""
+    script = tmp_path / "holds_semaphore.py"
+    script.write_text(_HOLDS_SEMAPHORE)
+    log = tmp_path / "semaphore.log"
+    proc = launch.spawn([sys.executable, str(script)], log)
+    semaphore = launch.SHARED_MEMORY / f"sem.{(await said(log)).lstrip('/')}"
+    assert semaphore.exists()
+    await launch.terminate(proc, grace_s=10.0)
+    assert not launch.group_alive(proc.pid)
+    assert not semaphore.exists()

@@ -173,6 +173,7 @@ async def terminate(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> Non
     mapped = shared_memory(proc.pid)
     signal_group(proc.pid, signal.SIGTERM)
     await _reaped(proc, grace_s)
+    await settle(proc.pid, time.monotonic() + grace_s)
     signal_group(proc.pid, signal.SIGKILL)  # stragglers: helpers that ignore SIGTERM
     await _reaped(proc, math.inf)
     await wait_until(lambda: not group_alive(proc.pid), time.monotonic() + GROUP_GONE_S)
@@ -181,6 +182,17 @@ async def terminate(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> Non
 
 GROUP_GONE_S = 5.0
 """How long after a SIGKILL the processes of a group may take to be gone (their memory freed)."""
+SETTLE_S = 3.0
+"""How long the rest of a group may take to leave on its own once its leader has gone."""
+
+
+async def settle(pid: int, deadline: float) -> None:
+    """Give the rest of a group whose leader `pid` has gone `SETTLE_S` (and no later than
+    `deadline`) to leave on its own before it is killed: Python's multiprocessing resource tracker
+    ignores SIGTERM and unlinks the semaphores its processes left only once they have all exited.
+    Killed before that, it leaves them in /dev/shm, mapped by no one, so not among the files the
+    group was seen to map when it was stopped."""
+    await wait_until(lambda: not group_alive(pid), min(deadline, time.monotonic() + SETTLE_S))
 
 
 async def wait_until(done: Callable[[], bool], deadline: float) -> None:

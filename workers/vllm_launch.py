@@ -370,6 +370,7 @@ async def stop_group(pid: int, grace_s: float = 30.0) -> None:
     launch.signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     await launch.wait_until(lambda: not alive(pid), deadline)
+    await launch.settle(pid, deadline)
     # The engine core and vLLM's multiprocessing helpers may outlive the API server (some ignore
     # SIGTERM, and GPU memory stays held while they run): the whole group goes.
     launch.signal_group(pid, signal.SIGKILL)
