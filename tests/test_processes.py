@@ -150,13 +150,17 @@ time.sleep(600)
 """
 
 
+def _words(log: Path) -> list[str]:
+    return log.read_text().split()
+
+
 async def said(log: Path) -> str:
     """The first word a process started with `log` as its output writes there."""
     for _ in range(200):
-        if words := log.read_text().split():
+        if words := _words(log):
             return words[0]
         await asyncio.sleep(0.05)
-    raise AssertionError(log.read_text())
+    raise AssertionError(_words(log))
 
 
 async def started_holding(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
