@@ -16,9 +16,8 @@ saving, it is served best-effort only where it would meet its TPOT target withou
 requests already there theirs (with the admission queue off, where it costs their SLOs least: on
 a replica whose requests are already late, else on the least-violating one). Under overload this
 keeps the replicas that still meet their SLOs meeting them, rather than spreading the overload
-until every replica misses. A small, deterministic share
-of requests goes to the best feasible replica of the other pool, so the fitted step costs of the
-pool that is chosen less keep learning.
+until every replica misses. A small, deterministic share of requests goes to the best feasible
+replica of the other pool, so the fitted step costs of the pool that is chosen less keep learning.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ does not time, a crowded KV cache), and that error is not the step costs'. A TPO
 its prediction at the batch it decoded beside, not the one it found: a batch that grows under
 requests as the load rises is no error of the replica's, and learned as one the factor lags the
 load by an answer's life, then prices the requests sent once the batch has stopped growing as
-slower than they run. How far the TPOTs of answers that no prompt was expected to stall spread about
-their predictions is kept too (`Scales.tpot_spread`): the replica's own noise, which the chance of
-meeting a TPOT target must allow for.
+slower than they run. How far the TPOTs of answers that no prompt was expected to stall spread
+about their predictions is kept too (`Scales.tpot_spread`): the replica's own noise, which the
+chance of meeting a TPOT target must allow for.
 """
 
 from __future__ import annotations

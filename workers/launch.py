@@ -168,12 +168,13 @@ def _mapped(member: Path) -> set[Path]:
 
 async def terminate(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     """SIGTERM to the child's whole group, then SIGKILL to whatever of it is left after `grace_s`
-    seconds (or as soon as the child itself is gone); returns once the child is reaped and, within
-    `GROUP_GONE_S` more, the rest of its group gone and their shared memory removed."""
+    seconds (or `SETTLE_S` after the child itself is gone); returns once the child is reaped and,
+    within `GROUP_GONE_S` more, the rest of its group gone and their shared memory removed."""
     mapped = shared_memory(proc.pid)
     signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
     await _reaped(proc, grace_s)
-    await settle(proc.pid, time.monotonic() + grace_s)
+    await settle(proc.pid, deadline)
     signal_group(proc.pid, signal.SIGKILL)  # stragglers: helpers that ignore SIGTERM
     await _reaped(proc, math.inf)
     await wait_until(lambda: not group_alive(proc.pid), time.monotonic() + GROUP_GONE_S)
