@@ -334,24 +334,6 @@ def test_a_batch_that_changes_under_a_request_is_not_read_as_other_decode_costs(
     assert dispatch.decode < 0.9 < 1.0 < dispatch.fixed
 
 
-@pytest.mark.parametrize("pool", list(Pool))
-def test_a_batch_that_grows_under_a_request_is_not_read_as_a_slower_replica(pool: Pool) -> None:
-    """Requests sent to a replica as it fills up decode beside ten more requests than they found,
-    at the TPOT the profile gives that batch. The factor on what the step costs miss compares each
-    answer with its prediction at the batch it decoded beside: it stays at 1, and requests sent
-    once the batch has stopped growing are not predicted slower than they run (learned against the
-    batch at dispatch, it lags the load it learned on). A replica slower still is learned so."""
-    model = LatencyModel(H100_LLAMA31_8B)
-    for slower in (1.0, 1.5):
-        fit = LatencyFit()
-        for n in range(300):
-            found = n % 60
-            priced = model.predict(idle(pool, in_flight=found), FEATURES).terms
-            decoded = model.predict(idle(pool, in_flight=found + 10), FEATURES)
-            fit.observe(None, decoded.tpot_ms * slower, priced, found + 11)
-        assert fit.scales.tpot_factor == pytest.approx(slower, rel=0.03)
-
-
 def test_a_pool_seldom_chosen_starts_from_what_the_other_learned() -> None:
     """Both pools run the same model on the same hardware: when the speculative pool's answers
     show a profile twice too slow, the plain pool, which has had no answer yet, is predicted on

@@ -32,13 +32,10 @@ what the fit said before cannot feed back into what it learns next.
 What the steps so fitted still miss of the TTFT and TPOT the pool's requests see, from every
 answer, is kept as a smoothed ratio per kind (`Scales.ttft_factor`, `tpot_factor`): the model's
 picture of a replica is not the replica (prefill stalls it estimates from a rate, a queue it
-does not time, a crowded KV cache), and that error is not the step costs'. A TPOT is set against
-its prediction at the batch it decoded beside, not the one it found: a batch that grows under
-requests as the load rises is no error of the replica's, and learned as one the factor lags the
-load by an answer's life, then prices the requests sent once the batch has stopped growing as
-slower than they run. How far the TPOTs of answers that no prompt was expected to stall spread
-about their predictions is kept too (`Scales.tpot_spread`): the replica's own noise, which the
-chance of meeting a TPOT target must allow for.
+does not time, a batch that grows under a request, a crowded KV cache), and that error is not
+the step costs'. How far the TPOTs of answers that no prompt was expected to stall spread about
+their predictions is kept too (`Scales.tpot_spread`): the replica's own noise, which the chance of
+meeting a TPOT target must allow for.
 """
 
 from __future__ import annotations
@@ -117,15 +114,6 @@ class Priced:
             return self.step
         fixed, decode, prefill, overhead, wait = self.step
         return fixed, decode + (in_flight - 1 - self.in_flight) * self.per_sequence, prefill, overhead, wait
-
-    def tpot_over(self, in_flight: float | None) -> Terms:
-        """The TPOT at the batch the request really decoded beside: its decode part moved as its
-        step's (`step_over`)."""
-        decode = self.step[1]
-        if in_flight is None or decode <= 0:
-            return self.tpot
-        fixed, tpot_decode, prefill, overhead, wait = self.tpot
-        return fixed, tpot_decode * max(self.step_over(in_flight)[1], 0.0) / decode, prefill, overhead, wait
 
 
 def predicted_ms(scales: Scales, terms: Terms) -> float:
@@ -267,7 +255,7 @@ class LatencyFit:
         measured = {}
         self._take_factors()
         factors = {"ttft": self.scales.ttft_factor, "tpot": self.scales.tpot_factor}
-        for kind, seen, terms in (("ttft", ttft_ms, priced.ttft), ("tpot", tpot_ms, priced.tpot_over(in_flight))):
+        for kind, seen, terms in (("ttft", ttft_ms, priced.ttft), ("tpot", tpot_ms, priced.tpot)):
             predicted = predicted_ms(self.scales, terms)
             if seen is None or seen <= 0 or not math.isfinite(seen) or predicted <= 0:
                 continue
@@ -288,10 +276,10 @@ class LatencyFit:
                 rows.append((step_ms, priced.step_over(in_flight)))
         if rows:
             self._fit(rows)
-        # What the step costs, as now fitted, still miss of predictions (a TPOT's at the batch it
-        # decoded beside): a smoothed ratio by kind, each answer moving it a bounded step. The
-        # error it follows changes with the load, so every process of the gateway moves the same
-        # factors, one answer after another (`SharedFit`).
+        # What the step costs, as now fitted, still miss of predictions as they are made (at the
+        # batch when the request is sent): a smoothed ratio by kind, each answer moving it a
+        # bounded step. The error it follows changes with the load, so every process of the
+        # gateway moves the same factors, one answer after another (`SharedFit`).
         low, high = CORRECTION_RANGE
         for kind, (seen, terms) in measured.items():
             predicted = predicted_ms(self.scales, terms) * factors[kind]
