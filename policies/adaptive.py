@@ -28,6 +28,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from specgate.calibration.modes import Pool
 from specgate.policies.admission import Admission
 from specgate.policies.decision import Decision, Hold, Shed, Shedding, Verdict, spread
 from specgate.policies.features import RequestFeatures
@@ -135,9 +136,10 @@ class Adaptive:
         if not admission.enabled:
             return self._best_effort(options)
         # What could an idle replica offer, with what is left of the TTFT target?
+        # (A pool's replicas share its fitted step costs: idle, they offer the same.)
         idle = {o.replica.pool: o.replica for o in options}
-        reachable = max(self.chance(self.model.predict(r.idle(), features), remaining, features.slo_tpot_ms)
-                        for r in idle.values())  # fmt: skip
+        at_idle = {pool: self.model.predict(r.idle(), features) for pool, r in idle.items()}
+        reachable = max(self.chance(p, remaining, features.slo_tpot_ms) for p in at_idle.values())
         if reachable > 0:
             # Waiting pays only while a replica could offer more than the best one offers now:
             # when even an idle one offers a long shot, the best long shot now is as good.
@@ -147,7 +149,9 @@ class Adaptive:
             # unless other requests held in the gateway (itself aside) wait for the room it
             # would take.
             contended = snapshot.held - (1 if features.waited_ms else 0) >= 1
-            if best.worth > 0 and (best.worth >= enough or not (contended or self._may_offer(options, features))):
+            if best.worth > 0 and (
+                best.worth >= enough or not (contended or self._may_offer(options, features, at_idle))
+            ):
                 return self._decision(best, "best-chance")
             return Hold("queued")  # one may soon: wait in the gateway, not in a replica's queue
         if not features.waited_ms and admission.refuse_infeasible:
@@ -171,11 +175,11 @@ class Adaptive:
             return self._decision(best, "best-effort", best_effort=True)
         return Hold("best-effort")
 
-    def _may_offer(self, options: list[_Option], features: RequestFeatures) -> bool:
+    def _may_offer(self, options: list[_Option], features: RequestFeatures, at_idle: dict[Pool, Prediction]) -> bool:
         """Whether a replica may offer the request more before its TTFT target passes: whether
         one of its requests is expected to finish in the time the target leaves beyond an idle
-        replica's TTFT (their remaining lives taken as spread evenly up to one whole answer like
-        its own). A tight TTFT target leaves the fleet no time to change: what it offers now is
+        replica's TTFT (`at_idle`, by pool; their remaining lives taken as spread evenly up to one
+        whole answer like its own). A tight TTFT target leaves the fleet no time to change: what it offers now is
         all it will offer in time, and holding the request only runs out its target."""
         remaining = features.remaining_ttft_ms
         if remaining is None:
@@ -183,7 +187,7 @@ class Adaptive:
         output = self.model.expected_output(features)
         for option in options:
             replica, p = option.replica, option.prediction
-            slack = remaining * self.params.slo_margin - self.model.predict(replica.idle(), features).ttft_ms
+            slack = remaining * self.params.slo_margin - at_idle[replica.pool].ttft_ms
             life = max(p.ttft_ms + p.tpot_ms * output, 1e-3)
             if slack > 0 and replica.load * slack / life >= 1.0:
                 return True
