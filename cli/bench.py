@@ -153,6 +153,10 @@ def _add_grid(commands: Subcommands) -> None:
     p.add_argument("--requests", type=positive_int, default=400, help="requests per run")
     p.add_argument("--quick", action="store_true", help="three cells: a smoke test in seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--steady", action="store_true",
+        help="each run's requests kept up (three times back to back, the middle counted), not from an idle fleet",
+    )  # fmt: skip
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1)
     p.add_argument("--out", type=Path, default=Path("docs/bench/grid"))
     p.set_defaults(func=_run_grid)
@@ -169,6 +173,7 @@ def _run_grid(args: argparse.Namespace) -> int:
         seed=args.seed,
         quick=args.quick,
         jobs=args.jobs,
+        steady=args.steady,
     )
     try:
         results = run_grid(settings)

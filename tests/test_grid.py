@@ -8,7 +8,7 @@ from typing import cast
 
 import pytest
 
-from specgate.bench.grid import ADAPTIVE, FIXED, Cell, capacity_rps, cells, points
+from specgate.bench.grid import ADAPTIVE, FIXED, HOMOGENEOUS, Cell, Job, capacity_rps, cells, points, report, run
 from specgate.bench.traces import TraceRequest
 from specgate.calibration.profiles import A100_CODELLAMA_34B, H100_LLAMA31_8B
 from specgate.cli import main
@@ -60,3 +60,17 @@ def test_a_point_exactly_one_point_behind_is_not_counted_as_more() -> None:
     assert points(runs)[0]["margin"] == -0.01
     runs[0]["slo_attainment"] = 394 / 400
     assert cast(float, points(runs)[0]["margin"]) < -0.01
+
+
+def test_a_window_kept_up_counts_its_own_requests_on_a_fleet_already_loaded(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    rows = "".join(f"{r.arrival_s},{r.prompt_tokens},{r.output_tokens}\n" for r in TRACE[:60])
+    trace.write_text("timestamp_s,input_tokens,output_tokens\n" + rows)
+    alone, kept = (run(Job(Cell(), 4.0, "round-robin", 60, 0, str(trace), steady)) for steady in (False, True))
+    assert alone["requests"] == kept["requests"] == 60
+    # Four times past capacity, a window alone starts on an idle fleet; kept up, the fleet it meets
+    # is as loaded as this traffic keeps it.
+    assert cast(float, kept["slo_attainment"]) < cast(float, alone["slo_attainment"]) - 0.1
+    results = {"points": points([{**r, "policy": p} for r in (kept,) for p in (ADAPTIVE, *FIXED, *HOMOGENEOUS)]),
+               "cells": [Cell()], "loads": [4.0], "requests_per_run": 60, "seed": 0, "steady": True}  # fmt: skip
+    assert "60 requests per run kept up" in report(results, "specgate bench grid --steady")
