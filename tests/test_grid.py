@@ -16,6 +16,14 @@ from specgate.cli import main
 TRACE = [TraceRequest(i * 0.2, 600 + 50 * (i % 9), 60 + 10 * (i % 5)) for i in range(300)]
 
 
+def _trace_file(tmp_path: Path, requests: int) -> Path:
+    """The first `requests` of TRACE as a trace file."""
+    trace = tmp_path / "t.csv"
+    rows = "".join(f"{r.arrival_s},{r.prompt_tokens},{r.output_tokens}\n" for r in TRACE[:requests])
+    trace.write_text("timestamp_s,input_tokens,output_tokens\n" + rows)
+    return trace
+
+
 def test_the_cells_vary_every_factor_and_include_the_reported_hard_cases() -> None:
     grid = cells()
     assert Cell() in grid
@@ -35,9 +43,7 @@ def test_capacity_grows_with_the_fleet_the_hardware_and_a_looser_target() -> Non
 
 @pytest.mark.slow
 def test_the_grid_command_writes_margins_a_report_and_a_heat_map(tmp_path: Path) -> None:
-    trace = tmp_path / "t.csv"
-    rows = "".join(f"{r.arrival_s},{r.prompt_tokens},{r.output_tokens}\n" for r in TRACE[:80])
-    trace.write_text("timestamp_s,input_tokens,output_tokens\n" + rows)
+    trace = _trace_file(tmp_path, 80)
     out = tmp_path / "grid"
     args = ["bench", "grid", "--quick", "--conv", str(trace), "--code", str(trace), "--loads", "0.5,3"]
     assert main([*args, "--requests", "80", "--out", str(out), "--jobs", "2"]) == 0
@@ -63,9 +69,7 @@ def test_a_point_exactly_one_point_behind_is_not_counted_as_more() -> None:
 
 
 def test_a_window_kept_up_counts_its_own_requests_on_a_fleet_already_loaded(tmp_path: Path) -> None:
-    trace = tmp_path / "t.csv"
-    rows = "".join(f"{r.arrival_s},{r.prompt_tokens},{r.output_tokens}\n" for r in TRACE[:60])
-    trace.write_text("timestamp_s,input_tokens,output_tokens\n" + rows)
+    trace = _trace_file(tmp_path, 60)
     alone, kept = (run(Job(Cell(), 4.0, "round-robin", 60, 0, str(trace), steady)) for steady in (False, True))
     assert alone["requests"] == kept["requests"] == 60
     # Four times past capacity, a window alone starts on an idle fleet; kept up, the fleet it meets
