@@ -35,7 +35,10 @@ from specgate.workers.pools import Fleet
 
 _log = logging.getLogger(__name__)
 
-STORE_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+STORE_ERRORS = (redis.exceptions.RedisError, OSError)
+"""What a store that is away or will not serve the gateway raises: unreachable, timing out, or
+answering with an error (a Redis in protected mode that refuses outside clients, an ACL that
+denies the gateway's user, a read-only replica, a key of another type)."""
 MAX_BACKOFF_S = 2.0
 
 
@@ -180,9 +183,12 @@ class PolicyControl:
         if stored is not None:
             self._apply_stored(stored)
 
-    def _set_up(self, up: bool) -> None:
+    def _set_up(self, up: bool, why: BaseException | None = None) -> None:
         if up != self.store_up:
-            (_log.info if up else _log.warning)("policy store %s", "reachable" if up else "unreachable")
+            if up:
+                _log.info("policy store reachable")
+            else:
+                _log.warning("policy store unreachable: %s", why)
         self.store_up = up
         self.metrics.policy_store_up.set(1.0 if up else 0.0)
 
@@ -205,10 +211,10 @@ class PolicyControl:
                             await self.resync()
                             next_read = time.monotonic() + self.refresh_s
             except STORE_ERRORS as exc:
-                self._set_up(False)
+                self._set_up(False, exc)
                 _log.debug("policy store: %s; retrying in %.1f s", exc, backoff)
-            except Exception:  # anything else must not end the following for good
-                self._set_up(False)
+            except Exception as exc:  # anything else must not end the following for good
+                self._set_up(False, exc)
                 _log.exception("following the policy store failed; retrying in %.1f s", backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)

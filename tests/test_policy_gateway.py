@@ -264,6 +264,39 @@ async def test_redis_lost_and_back(fleet: dict[Pool, tuple[str, ...]], redis_ser
         await store.close()
 
 
+async def test_a_redis_that_answers_with_errors_is_a_store_away(
+    fleet: dict[Pool, tuple[str, ...]], redis_server: RedisServer
+) -> None:
+    # A Redis that is up but refuses the gateway every command (an ACL denying its user; a Redis in
+    # protected mode answers outside clients likewise, with DENIED): the gateway starts, serves
+    # with what it has, says the store is away, and follows it again once the Redis lets it in.
+    admin_url = redis_server.url.replace("redis://", "redis://root:root-secret@")
+    root = aioredis.Redis.from_url(redis_server.url)
+    await root.acl_setuser(
+        "root", enabled=True, passwords=["+root-secret"], keys=["*"], channels=["*"], commands=["+@all"]
+    )
+    await root.acl_setuser("default", enabled=True, commands=["-@all", "+ping"])
+    await root.aclose()
+    root = aioredis.Redis.from_url(admin_url)
+    store = PolicyStore.connect(admin_url, "t")
+    s = settings(fleet, store=StoreSettings(url=redis_server.url, prefix="t", refresh_s=0.2))
+    try:
+        await store.write(drained(Pool.PLAIN), expected_version=0, who="test", why="")
+        async with gateway(s) as (url, session):
+            for _ in range(5):
+                assert (await chat(session, url))[:2] == (200, "0")
+            assert await metric(session, url, "specgate_policy_store_up") == 0.0
+            status, error = await put(session, url, document().dumps(), "0")
+            assert status == 503
+            assert "no permissions" in error["error"]["message"]
+            await root.acl_setuser("default", enabled=True, keys=["*"], channels=["*"], commands=["+@all"])
+            assert await wait_for_version(session, url, 1) == "speculative"
+            assert await metric(session, url, "specgate_policy_store_up") == 1.0
+    finally:
+        await store.close()
+        await root.aclose()
+
+
 async def test_redis_down_at_start_serves_the_cached_document(
     fleet: dict[Pool, tuple[str, ...]], redis_server: RedisServer, tmp_path: Path
 ) -> None:
