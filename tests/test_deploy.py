@@ -86,8 +86,13 @@ def test_every_overlay_builds_into_a_valid_coherent_deployment(overlay: Path) ->
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["terminationGracePeriodSeconds"] > settings.shutdown_grace_s
     # the gateway mounts the generated ConfigMap (its name carries kustomize's hash) where it reads it
-    (volume,) = pod["volumes"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (volume,) = (v for v in volumes.values() if "configMap" in v)
     assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    # a read-only root still leaves the gateway a writable /tmp (`serve --workers N` needs one)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    (tmp,) = (m for m in container["volumeMounts"] if m["mountPath"] == "/tmp")
+    assert "emptyDir" in volumes[tmp["name"]]
     assert f"{container['volumeMounts'][0]['mountPath']}/gateway.toml" == container["args"][-1]
     secret = next(d for d in docs if d["kind"] == "Secret")
     assert {e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"]} == {secret["metadata"]["name"]}
@@ -146,6 +151,9 @@ def test_compose_runs_two_gateways_and_the_pools_they_discover() -> None:
     settings = parse_settings(tomllib.loads((COMPOSE / mount[0]).read_text()))
     assert mount[1] == services[gateways[0]]["command"][-1]
     assert settings.host == "0.0.0.0"
+    for gateway in gateways:  # a read-only root still leaves a writable /tmp (`serve --workers N`)
+        assert services[gateway]["read_only"] is True
+        assert "/tmp" in services[gateway]["tmpfs"]
     for pool in Pool:
         (name,) = settings.discovery[pool]
         assert isinstance(name, DnsName)
