@@ -19,8 +19,11 @@ conversation trace replayed by the client in turn through each gateway (`bench.r
 the fleet's capacity; 3 and 6 each counting their share, and sharing a Redis through which they
 exchange their counts (`gateway/exchange.py`). With `--workers`, one gateway of 1 and of 4
 processes on one port (`specgate serve --workers 4`, counting each other's requests through shared
-memory) in front of the same fleet, over HTTP likewise. Writes results.json and report.md (http.json, http.md;
-workers.json, workers.md) to `--out`.
+memory) in front of the same fleet, over HTTP likewise. Single runs in real time on a shared machine
+move by a few points: `--rounds N` runs every configuration once a round, on a trace window of
+its own (round r, seed r), and reports each one's medians and its difference to one gateway in
+the same round. Writes results.json and report.md (http.json, http.md; workers.json, workers.md)
+to `--out`.
 """
 
 from __future__ import annotations
@@ -162,11 +165,12 @@ MODEL = "herd-model"
 
 async def over_http(
     cell: Cell, gateways: int, requests: int, load: float, traces: Path, folder: Path, processes: int = 1,
-    exchange: bool = False,
+    exchange: bool = False, seed: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """One run through `gateways` gateways of `processes` processes each in front of simulated
-    replicas (logs in `folder`); with `exchange`, the gateways share a Redis (policy and counts)."""
-    trace = loaded(cell, trace_path(traces, cell), requests, 0, load)
+    replicas (logs in `folder`); with `exchange`, the gateways share a Redis (policy and counts);
+    `seed` picks the trace's window and the replicas' draws."""
+    trace = loaded(cell, trace_path(traces, cell), requests, seed, load)
     modes = [Pool.SPECULATIVE] * cell.fleet[0] + [Pool.PLAIN] * cell.fleet[1]
     sims = []
     procs = []
@@ -179,7 +183,7 @@ async def over_http(
         for i, mode in enumerate(modes):
             sims.append(await asyncio.to_thread(
                 start_sim, folder / f"sim-{i}.log", "--port", "0", "--mode", mode.value, "--profile", cell.profile,
-                "--model", MODEL, "--seed", str(i),
+                "--model", MODEL, "--seed", str(seed * len(modes) + i),
             ))  # fmt: skip
         pools = {pool: [s.url for s, m in zip(sims, modes, strict=True) if m is pool] for pool in Pool}
         config = await asyncio.to_thread(
@@ -199,26 +203,44 @@ async def over_http(
             await asyncio.to_thread(stop_process, s.proc)
         if redis is not None:
             redis.stop()
-    return {"cell": cell.label, "load": load, "gateways": gateways, "processes": processes,
+    return {"cell": cell.label, "load": load, "gateways": gateways, "processes": processes, "seed": seed,
             "counting": "exchange" if exchange else "share", **result.summary(), "failed": failed}  # fmt: skip
 
 
 def http_report(runs: Sequence[dict[str, Any]], command: str, by: str = "gateways") -> str:
-    """The runs side by side, by number of `gateways` (in turn) or of `processes` (of one gateway)."""
-    one = runs[0]
+    """The runs side by side, by number of `gateways` (in turn) or of `processes` (of one gateway).
+    Run in several rounds (a trace window each, `seed`), each configuration gives the median over
+    the rounds of its attainment and of its difference to one gateway (or process) in the same
+    round, then each round's, and the median of its p99s; one round, its run's figures."""
+    first = runs[0]
     how = "in turn through each gateway" if by == "gateways" else "through one gateway of that many processes"
+    seeds = sorted({r.get("seed", 0) for r in runs})
+    one = {r.get("seed", 0): r["slo_attainment"] for r in runs if r[by] == 1}
+    configs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        configs.setdefault((r[by], r["counting"] if r[by] > 1 else "-"), []).append(r)
+    rounds = f" in {len(seeds)} rounds (trace windows {', '.join(map(str, seeds))}), medians first"
     lines = [
         f"# Many {by} in front of one fleet, over HTTP", "", f"`{command}`", "",
-        f"{one['cell']}, load {one['load']:g}, {one['requests']} requests replayed in real time, {how}.", "",
+        f"{first['cell']}, load {first['load']:g}, {first['requests']} requests replayed in real time, {how}"
+        f"{rounds if len(seeds) > 1 else ''}.", "",
         f"| {by} |{' counting |' if by == 'gateways' else ''} SLO attainment | difference to one | TTFT p99 ms "
         "| TPOT p99 ms | failed |",
         "|---|---|---|---|---|---|" + ("---|" if by == "gateways" else ""),
     ]  # fmt: skip
-    for r in runs:
-        to_one = (r["slo_attainment"] - one["slo_attainment"]) * 100
-        counting = f" {r['counting'] if r[by] > 1 else '-'} |" if by == "gateways" else ""
-        lines.append(f"| {r[by]} |{counting} {r['slo_attainment']:.3f} | {to_one:+.1f} | {r['ttft_p99_ms']:.0f} "
-                     f"| {r['tpot_p99_ms']:.1f} | {r['failed']} |")  # fmt: skip
+    for (n, counting), group in configs.items():
+        attained = [r["slo_attainment"] for r in group]
+        to_one = [(r["slo_attainment"] - one[r.get("seed", 0)]) * 100 for r in group]
+        shown_attained, shown_to_one = f"{statistics.median(attained):.3f}", f"{statistics.median(to_one):+.1f}"
+        if len(group) > 1:
+            shown_attained += f" ({', '.join(f'{a:.3f}' for a in attained)})"
+            shown_to_one += f" ({', '.join(f'{d:+.1f}' for d in to_one)})"
+        ttft = statistics.median(r["ttft_p99_ms"] for r in group)
+        tpot = statistics.median(r["tpot_p99_ms"] for r in group)
+        failed = sum(r["failed"] for r in group)
+        shown_counting = f" {counting} |" if by == "gateways" else ""
+        lines.append(f"| {n} |{shown_counting} {shown_attained} | {shown_to_one} | {ttft:.0f} | {tpot:.1f} "
+                     f"| {failed} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -243,26 +265,37 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -
     parser.add_argument("--http", action="store_true", help="over HTTP with gateway processes, not offline")
     parser.add_argument("--workers", action="store_true", help="over HTTP: one gateway of 1 and of 4 processes")
     parser.add_argument("--load", type=float, default=1.0, help="--http, --workers: against the fleet's capacity")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="--http, --workers: each configuration once a round, on a window of its own",
+    )
     args = parser.parse_args(argv)
     logging.getLogger("specgate").setLevel(logging.WARNING)
     command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    rounds = range(max(args.rounds, 1))
     if args.workers:
         runs = []
-        for n in PROCESSES:
-            logs = Path("logs") / "herd-workers" / f"x{n}"  # (gitignored)
-            logs.mkdir(parents=True, exist_ok=True)
-            runs.append(asyncio.run(over_http(CELLS[0], 1, args.requests, args.load, args.traces, logs, n)))
-            print(f"{n} process(es): {runs[-1]['slo_attainment']:.3f}", file=sys.stderr)
+        for seed in rounds:  # a configuration after another, round after round: the machine's drift spread over all
+            for n in PROCESSES:
+                logs = Path("logs") / "herd-workers" / f"x{n}-{seed}"  # (gitignored)
+                logs.mkdir(parents=True, exist_ok=True)
+                runs.append(asyncio.run(over_http(CELLS[0], 1, args.requests, args.load, args.traces, logs, n,
+                                                  seed=seed)))  # fmt: skip
+                print(f"round {seed}, {n} process(es): {runs[-1]['slo_attainment']:.3f}", file=sys.stderr)
         _write(args.out, "workers", runs, http_report(runs, command, by="processes"))
         return 0
     if args.http:
         runs = []
-        for n, exchange in [(1, False), *((n, e) for n in GATEWAYS[1:] for e in (False, True))]:
-            logs = Path("logs") / "herd-http" / f"x{n}-{'exchange' if exchange else 'share'}"  # (gitignored)
-            logs.mkdir(parents=True, exist_ok=True)
-            runs.append(asyncio.run(over_http(CELLS[0], n, args.requests, args.load, args.traces, logs,
-                                              exchange=exchange)))  # fmt: skip
-            print(f"{n} gateway(s), {runs[-1]['counting']}: {runs[-1]['slo_attainment']:.3f}", file=sys.stderr)
+        for seed in rounds:
+            for n, exchange in [(1, False), *((n, e) for n in GATEWAYS[1:] for e in (False, True))]:
+                logs = Path("logs") / "herd-http" / f"x{n}-{'exchange' if exchange else 'share'}-{seed}"  # (gitignored)
+                logs.mkdir(parents=True, exist_ok=True)
+                runs.append(asyncio.run(over_http(CELLS[0], n, args.requests, args.load, args.traces, logs,
+                                                  exchange=exchange, seed=seed)))  # fmt: skip
+                print(f"round {seed}, {n} gateway(s), {runs[-1]['counting']}: {runs[-1]['slo_attainment']:.3f}",
+                      file=sys.stderr)  # fmt: skip
         _write(args.out, "http", runs, http_report(runs, command))
         return 0
     policies = [p for p in args.policies.split(",") if p]

@@ -12,7 +12,7 @@ from typing import cast
 import pytest
 
 from specgate.bench.grid import Cell
-from specgate.bench.herd import Job, run
+from specgate.bench.herd import Job, http_report, run
 from specgate.cli import main
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023"
@@ -30,6 +30,26 @@ def test_the_herd_benchmark_reports_every_gateway_count_and_counting(tmp_path: P
         *((n, c) for n in (3, 6) for c in ("shared", "exchange", "share", "own")),
     }
     assert "| share | 3 |" in (out / "report.md").read_text()
+
+
+def test_the_http_report_pairs_each_round_with_its_own_single_gateway() -> None:
+    def run_of(seed: int, gateways: int, counting: str, attained: float, failed: int = 0) -> dict[str, object]:
+        return {"cell": "base", "load": 1.0, "requests": 900, "seed": seed, "gateways": gateways,
+                "counting": counting, "slo_attainment": attained, "ttft_p99_ms": 1000.0 * attained,
+                "tpot_p99_ms": 50.0, "failed": failed}  # fmt: skip
+
+    runs = [run_of(0, 1, "share", 0.80), run_of(0, 3, "exchange", 0.79, failed=1),
+            run_of(1, 1, "share", 0.70), run_of(1, 3, "exchange", 0.66),
+            run_of(2, 1, "share", 0.90), run_of(2, 3, "exchange", 0.89)]  # fmt: skip
+    text = http_report(runs, "specgate bench herd --http --rounds 3")
+    assert "in 3 rounds (trace windows 0, 1, 2)" in text
+    # Each round's difference to its own one gateway (-1, -4, -1), not to the median one gateway.
+    assert "| 3 | exchange | 0.790 (0.790, 0.660, 0.890) | -1.0 (-1.0, -4.0, -1.0) | 790 | 50.0 | 1 |" in text
+    assert "| 1 | - | 0.800 (0.800, 0.700, 0.900) | +0.0 (+0.0, +0.0, +0.0) |" in text
+    # One round: its run's figures, as before rounds.
+    single = http_report(runs[:2], "specgate bench herd --http")
+    assert "rounds" not in single
+    assert "| 3 | exchange | 0.790 | -1.0 | 790 | 50.0 | 1 |" in single
 
 
 @pytest.mark.skipif(not TRACES.exists(), reason="the shared Azure traces are beside the checkout")
