@@ -265,6 +265,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -
     parser.add_argument("--http", action="store_true", help="over HTTP with gateway processes, not offline")
     parser.add_argument("--workers", action="store_true", help="over HTTP: one gateway of 1 and of 4 processes")
     parser.add_argument("--load", type=float, default=1.0, help="--http, --workers: against the fleet's capacity")
+    parser.add_argument("--gateways", default="1,3,6", help="--http: comma-separated gateway counts (1 among them)")
     parser.add_argument(
         "--rounds",
         type=int,
@@ -288,8 +289,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -
         return 0
     if args.http:
         runs = []
+        counts = sorted({1, *(int(n) for n in args.gateways.split(",") if n)})
         for seed in rounds:
-            for n, exchange in [(1, False), *((n, e) for n in GATEWAYS[1:] for e in (False, True))]:
+            for n, exchange in [(1, False), *((n, e) for n in counts[1:] for e in (False, True))]:
                 logs = Path("logs") / "herd-http" / f"x{n}-{'exchange' if exchange else 'share'}-{seed}"  # (gitignored)
                 logs.mkdir(parents=True, exist_ok=True)
                 runs.append(asyncio.run(over_http(CELLS[0], n, args.requests, args.load, args.traces, logs,
