@@ -20,6 +20,7 @@ from specgate.cli.arguments import Subcommands, common_options, float_list, posi
 MODULE_BENCHMARKS = {
     "daily": ("specgate.bench.daily", "fixed splits against a fleet that switches, over a day (docs/bench/daily)"),
     "herd": ("specgate.bench.herd", "one gateway against three and six in front of one fleet (docs/bench/herd)"),
+    "overload": ("specgate.bench.overload", "how long an overload lasts, against each policy (docs/bench/overload)"),
     "fidelity": ("specgate.bench.fidelity", "the simulated replica against its sources (docs/fidelity.md)"),
     "cpu-fidelity": ("specgate.bench.cpu_fidelity", "calibrated simulation vs real CPU vLLM (docs/fidelity.md)"),
     "overhead": ("specgate.bench.overhead", "what the gateway adds over a direct path (docs/overhead.md)"),
