@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -138,6 +139,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench overload
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=Path("docs/bench/overload"))
     args = parser.parse_args(argv)
+    logging.getLogger("specgate").setLevel(logging.WARNING)  # (each simulated replica says it is up)
     command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
     policies = [p for p in args.policies.split(",") if p]
     loads = [float(x) for x in args.loads.split(",") if x]
