@@ -117,6 +117,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ax.plot(xs, [p["attainment"][name] for p in mine if name in p["attainment"]], marker="o",
                     label=name, linewidth=2.5 if name == ADAPTIVE else 1.0)  # fmt: skip
         ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(results["durations_s"], [f"{d:g}" for d in results["durations_s"]])
         ax.set_xlabel("seconds of overload")
         ax.set_ylabel("SLO attainment")
         ax.set_title(f"{' '.join(cell.split()[-2:])}, load {load:g}", fontsize=9)
