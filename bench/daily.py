@@ -19,7 +19,6 @@ Writes results.json, report.md and timeline.png to `--out`.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from specgate.bench.offline import Fleetspec, RunResult, Scenario, Switchover, simulate, throughput
+from specgate.bench.outputs import write
 from specgate.bench.shapes import arrivals
 from specgate.bench.traces import TraceRequest, read_trace, scaled
 from specgate.calibration.modes import Pool
@@ -329,12 +329,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench daily") 
     results = run_day(day, args.starts if args.starts is not None else [args.replicas // 2], args.jobs)
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)]).strip()
     results["command"] = command
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    text = report(results, command)
-    (args.out / "report.md").write_text(text)
+    write(args.out, "results", results, report(results, command), report_name="report")
     plot(results, args.out / "timeline.png")
-    print(text)
     return 0
 
 

@@ -30,19 +30,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import statistics
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from specgate.bench.grid import Cell, loaded, scenario
 from specgate.bench.offline import simulate
+from specgate.bench.outputs import in_parallel, write
 from specgate.bench.replay import ReplaySettings, replay
 from specgate.calibration.modes import Pool
 from specgate.gateway.exchange import ExchangeSettings
@@ -244,14 +243,6 @@ def http_report(runs: Sequence[dict[str, Any]], command: str, by: str = "gateway
     return "\n".join(lines) + "\n"
 
 
-def _write(out: Path, name: str, data: object, text: str, report_name: str | None = None) -> None:
-    """`name`.json and the report (`report_name`.md, else `name`.md) in `out`; the report printed."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / f"{report_name or name}.md").write_text(text)
-    print(text)
-
-
 def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -285,7 +276,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -
                 runs.append(asyncio.run(over_http(CELLS[0], 1, args.requests, args.load, args.traces, logs, n,
                                                   seed=seed)))  # fmt: skip
                 print(f"round {seed}, {n} process(es): {runs[-1]['slo_attainment']:.3f}", file=sys.stderr)
-        _write(args.out, "workers", runs, http_report(runs, command, by="processes"))
+        write(args.out, "workers", runs, http_report(runs, command, by="processes"))
         return 0
     if args.http:
         runs = []
@@ -298,19 +289,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench herd") -
                                                   exchange=exchange, seed=seed)))  # fmt: skip
                 print(f"round {seed}, {n} gateway(s), {runs[-1]['counting']}: {runs[-1]['slo_attainment']:.3f}",
                       file=sys.stderr)  # fmt: skip
-        _write(args.out, "http", runs, http_report(runs, command))
+        write(args.out, "http", runs, http_report(runs, command))
         return 0
     policies = [p for p in args.policies.split(",") if p]
     todo = jobs(args.requests, args.seeds, policies, args.traces, args.quick)
     todo.sort(key=lambda j: -j.load * j.gateways)
-    runs = []
-    with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-        for done, result in enumerate(pool.map(run, todo), start=1):
-            runs.append(result)
-            sys.stderr.write(f"\r[{'#' * (30 * done // len(todo)):<30}] {done}/{len(todo)} runs")
-    print(file=sys.stderr)
+    runs = in_parallel(run, todo, args.jobs)
     results = {"requests": args.requests, "seeds": args.seeds, "policies": policies,
                "cells": [asdict(c) for c in (CELLS[:1] if args.quick else CELLS)], "runs": runs,
                "rows": summarize(runs)}  # fmt: skip
-    _write(args.out, "results", results, report(results, command), report_name="report")
+    write(args.out, "results", results, report(results, command), report_name="report")
     return 0

@@ -18,19 +18,18 @@ results.json, report.md and overload.png to `--out`.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from specgate.bench.grid import ADAPTIVE, FIXED, Cell, capacity_rps, loaded, scenario, traffic
 from specgate.bench.offline import simulate
+from specgate.bench.outputs import in_parallel, write
 from specgate.calibration.profiles import PROFILES
 
 TRACES = Path("../shared/traces/azure_llm_2023")
@@ -150,18 +149,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench overload
     todo = [Job(c, load, d, p, args.seed, str(args.traces)) for c in cells for load in loads for d in durations
             for p in policies]  # fmt: skip
     todo.sort(key=lambda j: -j.load * j.duration_s * (10 if j.policy == ADAPTIVE else 1))  # the longest first
-    runs = []
-    with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-        for done, result in enumerate(pool.map(run, todo), start=1):
-            runs.append(result)
-            sys.stderr.write(f"\r[{'#' * (30 * done // len(todo)):<30}] {done}/{len(todo)} runs")
-    print(file=sys.stderr)
+    runs = in_parallel(run, todo, args.jobs)
     results = {"policies": policies, "loads": loads, "durations_s": durations, "seed": args.seed,
                "cells": [asdict(c) for c in cells], "runs": runs, "points": points(runs)}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    text = report(results, command)
-    (args.out / "report.md").write_text(text)
+    write(args.out, "results", results, report(results, command), report_name="report")
     plot(results, args.out / "overload.png")
-    print(text)
     return 0
