@@ -26,14 +26,13 @@ import json
 import os
 import random
 import statistics
-import sys
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from specgate.bench import shapes
 from specgate.bench.offline import Fleetspec, Scenario, attainable, max_tokens, simulate, steady
+from specgate.bench.outputs import in_parallel
 from specgate.bench.traces import TraceRequest, read_trace, scaled
 from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import PROFILES, Profile
@@ -190,13 +189,7 @@ def run_grid(settings: GridSettings) -> dict[str, object]:
     ]
     # Longest first: the overloaded runs of the big fleets take the most time.
     jobs.sort(key=lambda j: -j.load * sum(j.cell.fleet))
-    runs: list[dict[str, object]] = []
-    with ProcessPoolExecutor(max_workers=max(settings.jobs, 1)) as pool:
-        for done, result in enumerate(pool.map(run, jobs, chunksize=2), start=1):
-            runs.append(result)
-            sys.stderr.write(f"\r[{'#' * (30 * done // len(jobs)):<30}] {done}/{len(jobs)} runs")
-            sys.stderr.flush()
-    print(file=sys.stderr)
+    runs = in_parallel(run, jobs, settings.jobs, chunksize=2)
     bounds = {}
     for cell in grid:
         trace = traffic(cell, settings.traces[cell.trace], settings.requests, settings.seed)

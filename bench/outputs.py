@@ -13,11 +13,12 @@ J = TypeVar("J")
 R = TypeVar("R")
 
 
-def in_parallel(run: Callable[[J], R], jobs: Sequence[J], workers: int) -> list[R]:
-    """`run` of every job, in their order, on `workers` processes, with a progress bar on stderr."""
+def in_parallel(run: Callable[[J], R], jobs: Sequence[J], workers: int, chunksize: int = 1) -> list[R]:
+    """`run` of every job, in their order, on `workers` processes (handed `chunksize` jobs at a
+    time), with a progress bar on stderr."""
     results = []
     with ProcessPoolExecutor(max_workers=max(workers, 1)) as pool:
-        for done, result in enumerate(pool.map(run, jobs), start=1):
+        for done, result in enumerate(pool.map(run, jobs, chunksize=chunksize), start=1):
             results.append(result)
             sys.stderr.write(f"\r[{'#' * (30 * done // len(jobs)):<30}] {done}/{len(jobs)} runs")
     print(file=sys.stderr)

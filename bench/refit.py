@@ -16,18 +16,17 @@ first 100 requests and for those that arrived from 60% to 90% of the way through
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from specgate.bench.grid import capacity_rps
 from specgate.bench.offline import Fleetspec, Scenario, Served, simulate
+from specgate.bench.outputs import in_parallel, write
 from specgate.bench.traces import read_trace, scaled
 from specgate.calibration.profiles import PROFILES
 
@@ -168,17 +167,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "specgate bench refit") 
         parser.error(f"no trace at {args.trace}")
     jobs = [Job(h, load, belief, args.profile, args.requests, str(args.trace), args.seed)
             for h in HARDWARE for load in args.loads for belief in BELIEFS]  # fmt: skip
-    with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-        runs = list(pool.map(run, jobs))
+    runs = in_parallel(run, jobs, args.jobs)
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)]).strip()
     results: dict[str, object] = {
         "command": command, "profile": args.profile, "requests": args.requests, "loads": args.loads, "runs": runs,
     }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    text = report(results)
-    (args.out / "report.md").write_text(text)
-    print(text)
+    write(args.out, "results", results, report(results), "report")
     return 0
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from specgate.bench.offline import Fleetspec, Scenario, attainable, simulate
+from specgate.bench.outputs import in_parallel
 from specgate.bench.traces import TraceRequest, read_trace, scaled
 from specgate.calibration.profiles import Profile
 
@@ -67,12 +66,7 @@ def run_sweep(settings: SweepSettings) -> dict[str, object]:
     trace = read_trace(settings.trace, settings.max_requests)
     labels = [*settings.policies, ALL_PLAIN, ALL_SPEC]
     jobs = [(settings, label, rate, trace) for rate in settings.rate_scales for label in labels]
-    runs: list[dict[str, object]] = []
-    with ProcessPoolExecutor(max_workers=max(settings.jobs, 1)) as pool:
-        for done, run in enumerate(pool.map(_run, jobs), start=1):
-            runs.append(run)
-            _progress(done, len(jobs), f"{run['policy']} x{run['rate_scale']:g}")
-    print(file=sys.stderr)
+    runs = in_parallel(_run, jobs, settings.jobs)
     scenario = Scenario(settings.profile, Fleetspec(1, 1), "least-loaded", settings.slo_ttft_ms, settings.slo_tpot_ms)
     bound = attainable(trace, scenario)
     return {
@@ -91,13 +85,6 @@ def run_sweep(settings: SweepSettings) -> dict[str, object]:
             "what": "share meeting both SLOs alone on an idle replica of the better mode",
         },
     }
-
-
-def _progress(done: int, total: int, last: str) -> None:
-    width = 30
-    filled = width * done // total
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} runs  {last:<40}")
-    sys.stderr.flush()
 
 
 def write_outputs(results: dict[str, object], out: Path, command: str) -> None:
