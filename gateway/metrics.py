@@ -139,9 +139,9 @@ def _fit_gauges(r: CollectorRegistry, fleet: Fleet) -> None:
     factor = Gauge("specgate_prediction_factor", "Measured over predicted latency that the fitted step costs "
                    "still miss on the pool's answers, smoothed, by kind (ttft, tpot): it multiplies the "
                    "predictions.", ("pool", "kind"), registry=r)  # fmt: skip
-    spread = Gauge("specgate_tpot_spread", "Standard deviation of log(measured / predicted) TPOT over the "
-                   "pool's answers that no prefill stalled: the noise the predictions' chances allow for.",
-                   ("pool",), registry=r)  # fmt: skip
+    spread = Gauge("specgate_tpot_spread", "Root mean square of log(measured / predicted) TPOT over the "
+                   "pool's answers, predictions as made: the replica's noise and the traffic forecast's "
+                   "misses, which the predictions' chances allow for.", ("pool",), registry=r)  # fmt: skip
     answers = Gauge("specgate_step_cost_answers", "Answers measured on the pool, by use: all (checked against "
                     "their predictions) and fitted (from a steady replica: the step costs' evidence).",
                     ("pool", "use"), registry=r)  # fmt: skip

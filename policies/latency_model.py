@@ -13,14 +13,15 @@ one that ends):
   there is one, else this request's prompt plus half its expected output); a speculative replica
   divides its draft-and-verify step by the tokens per step it was last seen to emit (the profile's
   mean until scraped), times what requests like this one get over that mean (`policies/drafts.py`).
-  Chunked prefill of the prompts still arriving rides along and slows those steps: at the
-  replica's recent rate of prompt tokens (a burst's excess over its steady rate counted for about
-  as long again as the burst has lasted, not the request's whole life), that prefill takes a share f
-  of its time, and TPOT is divided by 1 - f, up to the TPOT of steps that each carry a whole chunk
-  (the token budget less the batch's decodes): however many prompts arrive, a step prefills no
-  more and still emits its tokens (on a speculative replica, several); and however recent the
-  rate, a batch of B + 1 is replaced about once in the lifetime of each of its requests, so their
-  prefills, spread over this request's output tokens, are added to it if that comes to more.
+  Chunked prefill of the prompts still arriving rides along and slows those steps: at a rate of
+  prompt tokens, that prefill takes a share f of the time, and the tokens come 1 / (1 - f) times
+  further apart, up to the TPOT of steps that each carry a whole chunk (the token budget less the
+  batch's decodes): however many prompts arrive, a step prefills no more and still emits its
+  tokens (on a speculative replica, several). The rate is the replica's steady one; in a burst,
+  the burst's for about as long again as it has lasted (counted from the request's arrival), then
+  the one from before it: a storm of a few seconds adds its stalls to an answer's life once, it
+  does not slow every step of a life that its stalls lengthen. The TPOT factor multiplies the
+  result once; it does not scale the prefill's share, where it would compound.
 - Harm: what joining costs the B requests already there: the steps that prefill this prompt stall
   all of them, and every later step is slower by the rise in step time from B to B + 1, for as
   many steps as this request stays; summed over the B requests.
@@ -237,36 +238,55 @@ class LatencyModel:
         waits = decode[0] + decode[1]  # each step more that the replica keeps a newcomer waiting
         ttft_ms = (scales.step_ms(ttft_terms) + scales.overhead_ms + scales.wait * waits) * scales.ttft_factor
 
-        joined = self._terms(pool, running + 1, context)
-        joined_ms = scales.step_ms(joined)
         if pool is Pool.SPECULATIVE:
             pool_mean = replica.tokens_per_step or self.profile.spec.expected_tokens_per_step()
             tokens_per_step = max(pool_mean * features.draft_speedup, 1.0)  # this request's own acceptance
         else:
             tokens_per_step = 1.0
+        factor = scales.tpot_factor
+        gaps = max(output - 1, 1)
+        joined = self._terms(pool, running + 1, context)
+        joined_ms = scales.step_ms(joined)
         # What prefilling one prompt token costs the decoding batch, as the profile prices it: the
         # rate of prompts is measured in real time, and the prefill scale brings it there.
         per_token_ms = max(self._terms(pool, running + 1, context, prompt)[2], 0.0) / prompt
-        factor = scales.tpot_factor
         decode_tpot = joined_ms / tokens_per_step * factor
-        gaps = max(output - 1, 1)
         # Prompts arriving while this request waits for its first token, and while it decodes,
-        # each stall its decoding once: at the replica's recent rate (a burst's for about as long
-        # again as it has lasted), over a life that the stalls themselves lengthen (so TPOT is
-        # divided by 1 - the share of time spent prefilling).
-        rate, tokens_per_s = replica.prompt_rates((ttft_ms + decode_tpot * gaps) / 1e3)
-        arriving = tokens_per_s / rate if rate > 0 else prompt
-        stall_ms = arriving * per_token_ms * scales.prefill * factor
-        share = rate * stall_ms / 1e3
-        queued_stalls = rate * ttft_ms / 1e3 * arriving * per_token_ms / gaps  # times the prefill scale
+        # each stall its decoding once (`stall_per_token`: one prompt token's prefill, in ms, as
+        # the fitted prefill scale prices it; the TPOT factor multiplies the TPOT once, below).
+        stall_per_token = per_token_ms * scales.prefill
+        _, waiting_tokens_per_s = replica.prompt_rates(ttft_ms / 1e3)
+        queued_stalls = waiting_tokens_per_s * ttft_ms / 1e3 * per_token_ms / gaps  # times the prefill scale
         # However many prompts arrive, a step carries at most a chunk of them beside its decodes
         # (the token budget less theirs) and still emits its tokens: TPOT is at most every step so.
         joined_chunk = max(self.max_num_batched_tokens - (running + 1) * (1 + k), 1)
         chunk_stall_ms = max(self._terms(pool, running + 1, context, joined_chunk)[2], 0.0) * scales.prefill * factor
         unstalled = decode_tpot + queued_stalls * scales.prefill * factor
         every_step_stalled = decode_tpot + chunk_stall_ms / tokens_per_step
-        per_gap = min(1.0 / (1.0 - share) if share < 1.0 else math.inf, every_step_stalled / unstalled)
-        tpot = unstalled * per_gap
+
+        def paced(tokens_per_s: float) -> float:
+            """TPOT while prompts arrive at this rate: prefilling them takes a share of the time,
+            and the tokens come that much further apart (at most every step stalled)."""
+            share = tokens_per_s * stall_per_token / 1e3
+            return min(unstalled / (1.0 - share) if share < 1.0 else math.inf, every_step_stalled)
+
+        # The tokens come at the steady rate's pace or, while a burst lasts, at its pace: for about
+        # as long again as it has lasted, counted from the request's arrival, and then at the pace
+        # of the rate from before it. A burst of bounded length adds its stalls to the answer's
+        # life once; it does not slow every step of a life that its stalls lengthen (which would
+        # price a storm of a few seconds as one for good).
+        life_ms = paced(replica.prefill_tokens_after_burst_per_s()) * gaps
+        if replica.burst is not None:
+            during = paced(replica.burst.prefill_tokens_per_s)
+            in_burst = min(max(replica.burst.lasted_s * 1e3 - ttft_ms, 0.0) / during, gaps)
+            life_ms += in_burst * (during - life_ms / gaps)
+        tpot = life_ms / gaps
+        per_gap = tpot / unstalled
+        # The prompts expected over that life, one stall each, at the rates they are expected at.
+        rate, tokens_per_s = replica.prompt_rates((ttft_ms + life_ms) / 1e3)
+        arriving = tokens_per_s / rate if rate > 0 else prompt
+        share = rate * arriving * stall_per_token / 1e3
+        stall_ms = arriving * stall_per_token * factor
         # TPOT term by term (before its factor), the stalls' share held where it is: what the
         # step-cost fit needs.
         tpot_terms = (
@@ -278,7 +298,7 @@ class LatencyModel:
         )
         next_batch = min(running + 2, self.max_num_seqs)
         per_sequence = self._terms(pool, next_batch, context)[1] - joined[1]
-        stalls = rate * (ttft_ms + tpot * gaps) / 1e3
+        stalls = rate * (ttft_ms + life_ms) / 1e3
         stay_steps = math.ceil(output / tokens_per_step)
         # what this prompt does to the others
         stall = scales.step_ms(prefill(prompt)) - decode_ms * math.ceil(prompt / chunk)

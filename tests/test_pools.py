@@ -243,10 +243,12 @@ def test_a_burst_of_prompts_shows_in_the_rate_at_once_for_as_long_as_it_lasts() 
     prompts, tokens = state.prompt_rates(0.5)  # a short life: the burst's rate all through it
     assert prompts > 7.0
     assert tokens == pytest.approx(prompts * 1000)
-    # a minute's life: a burst seen for a second or two stalls only its start
-    long_life, _ = state.prompt_rates(60.0)
-    assert state.arrivals_per_s < long_life < state.arrivals_per_s + (prompts - state.arrivals_per_s) * 0.1
+    # a minute's life: a burst seen for a second or two stalls only its start, and then the rate
+    # from before it (nothing), not the ten-second window's, which the burst itself has raised
     assert state.burst.lasted_s == settings.burst_window_s  # seen for a second: taken to last a window
+    assert state.burst.arrivals_before_per_s < 0.2 < 1.0 < state.arrivals_per_s
+    long_life, _ = state.prompt_rates(60.0)
+    assert long_life == pytest.approx(prompts * settings.burst_window_s / 60.0, rel=0.1)
     quiet, _ = burst.state(131.0).prompt_rates(0.5)  # half a minute later, the burst has all but faded
     assert quiet < 0.2
 
@@ -260,8 +262,11 @@ def test_a_burst_that_goes_on_is_expected_to_go_on_about_as_long_again() -> None
     state = storm.state(80.0)
     assert state.burst is not None
     assert state.burst.lasted_s == pytest.approx(20.0, abs=0.1)
-    rate, _ = state.prompt_rates(40.0)  # half of a forty-second life at the storm's rate
-    assert rate == pytest.approx((state.arrivals_per_s + state.burst.arrivals_per_s) / 2)
+    # half of a forty-second life at the storm's rate, then at the quiet minute's (not at the
+    # ten-second window's, most of which is the storm's)
+    assert state.burst.arrivals_before_per_s < 0.5 < 15.0 < state.arrivals_per_s
+    rate, _ = state.prompt_rates(40.0)
+    assert rate == pytest.approx((state.burst.arrivals_before_per_s + state.burst.arrivals_per_s) / 2)
     for i in range(20):  # it ends; a new one starts a minute later and is a new burst
         storm.dispatched_one(1000, now=140.0 + i * 0.05)
     later = storm.state(141.0).burst

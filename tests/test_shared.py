@@ -405,3 +405,26 @@ def test_the_other_gateways_fits_are_summed_against_the_profile_most_of_their_an
     # (two fits of 60 answers each forget their oldest as one of 120 does not: near, not equal)
     assert fit.scales.decode == pytest.approx(alone.scales.decode, rel=0.02)
     assert fit.scales.decode > 1.3
+
+
+def test_a_burst_over_two_processes_is_expected_to_fall_back_to_both_processes_rate_before_it(
+    counts_file: Path,
+) -> None:
+    """A minute at 2 prompts a second, then a storm of 20 a second, the kernel handing the
+    requests to the two processes in turn: each process sees the storm, how long it has lasted
+    and the rate before it as one process sending them all would."""
+    both = fleets(counts_file, processes=3)[:2]
+    alone = Fleet({Pool.PLAIN: [A, B]}, SETTINGS)
+    arrivals = [i * 0.5 for i in range(120)] + [60.0 + i * 0.05 for i in range(80)]
+    for i, at in enumerate(arrivals):
+        by_url(both[i % 2], A).dispatched_one(1000, now=at)
+        by_url(alone, A).dispatched_one(1000, now=at)
+    truth = next(r for r in alone.snapshot(64.0).replicas if r.url == A).burst
+    assert truth is not None
+    assert truth.arrivals_before_per_s == pytest.approx(2.0, rel=0.1)
+    for fleet in both:
+        burst = next(r for r in fleet.snapshot(64.0).replicas if r.url == A).burst
+        assert burst is not None
+        assert burst.lasted_s == pytest.approx(truth.lasted_s, abs=0.1)
+        assert burst.arrivals_per_s == pytest.approx(truth.arrivals_per_s, rel=1e-6)
+        assert burst.arrivals_before_per_s == pytest.approx(truth.arrivals_before_per_s, rel=0.05)

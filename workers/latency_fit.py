@@ -33,9 +33,11 @@ What the steps so fitted still miss of the TTFT and TPOT the pool's requests see
 answer, is kept as a smoothed ratio per kind (`Scales.ttft_factor`, `tpot_factor`): the model's
 picture of a replica is not the replica (prefill stalls it estimates from a rate, a queue it
 does not time, a batch that grows under a request, a crowded KV cache), and that error is not
-the step costs'. How far the TPOTs of answers that no prompt was expected to stall spread about
-their predictions is kept too (`Scales.tpot_spread`): the replica's own noise, which the chance of
-meeting a TPOT target must allow for.
+the step costs'. How far the TPOTs spread about their predictions as made is kept too
+(`Scales.tpot_spread`): the replica's own noise and what the forecast of the arriving prompts
+missed (a storm that went on longer, or ended sooner, than it had lasted), which the chance of
+meeting a TPOT target must allow for; so a request far inside its target is sent however
+uncertain the forecast, and one at its edge is not.
 """
 
 from __future__ import annotations
@@ -330,13 +332,16 @@ class LatencyFit:
             self._quiet = (total * self._keep + (log_ratio - last) ** 2 / 2, weight * self._keep + 1.0)
 
     def _spread(self) -> float:
-        """The standard deviation of the quiet answers' TPOT log error, from how it changes from one
-        answer to the next: the noise of independent answers, not the drift of a prediction still
-        converging (which the TPOT factor takes up)."""
+        """How far TPOTs spread about their predictions: the root mean square of the TPOT log
+        error of predictions as made (the traffic's forecast missed, as well as the replica's
+        noise), and at least the standard deviation of the quiet answers' log error, from how it
+        changes from one answer to the next (the noise of independent answers, not the drift of a
+        prediction still converging, which the TPOT factor takes up)."""
         total, weight = self._quiet
-        if weight < SPREAD_MIN_ANSWERS:
-            return 0.0
-        return min(math.sqrt(total / weight), MAX_SPREAD)
+        quiet = math.sqrt(total / weight) if weight >= SPREAD_MIN_ANSWERS else 0.0
+        total, weight = self._errors.get("tpot", (0.0, 0.0))
+        made = math.sqrt(total / weight) if weight >= SPREAD_MIN_ANSWERS else 0.0
+        return min(max(quiet, made), MAX_SPREAD)
 
     def _solve(self, rows: Sequence[tuple[list[float], float]] = ()) -> None:
         """The scales from the answers so far and the prior; `rows`, the newest answer's

@@ -237,6 +237,8 @@ class Replica:
         self._rates = (_Rate(self.settings.rate_window_s), _Rate(self.settings.burst_window_s))
         self._burst_since: float | None = None
         """Since when its prompts come faster than the longer window shows; None when they do not."""
+        self._burst_before = (0.0, 0.0)
+        """The longer window's prompts and prompt tokens a second (all processes') when it began."""
         self._dispatched_at_scrape = 0.0
         self._last_spec: SpecCounters | None = None
         self._progress: tuple[float, float] = (-1.0, 0.0)
@@ -308,12 +310,17 @@ class Replica:
         self.prefill_tokens += prompt_tokens
         if now is not None:
             was_bursting = self._bursting(now)
+            before = self._rates[0].per_s(now)
             for rate in self._rates:
                 rate.add(prompt_tokens, now)
             if not self._bursting(now):
                 self._burst_since = None
             elif not was_bursting:  # (decaying, the shorter window can only fall behind the longer)
-                self._burst_since = now
+                # what came before it, this process's prompts and the other processes' alike
+                others = self._others(now)
+                if others is not None:
+                    before = (before[0] + others.rates[0][0], before[1] + others.rates[0][1])
+                self._burst_since, self._burst_before = now, before
         self._publish()
         return self._stay(at)
 
@@ -343,8 +350,14 @@ class Replica:
         (prompts, tokens), (burst_prompts, burst_tokens) = rates
         if burst_tokens <= tokens:
             return prompts, tokens, None
-        since = self._burst_since if self._burst_since is not None else now
-        return prompts, tokens, Burst(burst_prompts, burst_tokens, max(now - since, self.settings.burst_window_s))
+        # What came before the burst, as the longer window had it when this process saw it begin
+        # (its own prompts and the other processes'): the rate it is expected to fall back to. A
+        # burst that the others' prompts show and this process's do not has only begun.
+        since, before = now, (prompts, tokens)
+        if self._burst_since is not None:
+            since, before = self._burst_since, self._burst_before
+        lasted = max(now - since, self.settings.burst_window_s)
+        return prompts, tokens, Burst(burst_prompts, burst_tokens, lasted, *before)
 
     def _bursting(self, now: float) -> bool:
         """Whether the shorter window sees more prompt tokens a second than the longer one."""

@@ -34,10 +34,10 @@ class Scales:
     picture of the replica misses (a queue it does not see, a batch that is not the one priced)."""
     tpot_factor: float = 1.0
     tpot_spread: float = 0.0
-    """How far the pool's measured TPOTs spread about their predictions (standard deviation of
-    the log ratio) on answers no prefill stalled: the noise of the replica itself (a CPU shared
-    with other work, a batch that changes under a request), which no step accounts for; 0 before
-    enough answers to say."""
+    """How far the pool's measured TPOTs spread about their predictions as made (the root mean
+    square of the log ratio): the noise of the replica itself (a CPU shared with other work, a
+    batch that changes under a request), which no step accounts for, and what the forecast of the
+    prompts arriving missed; 0 before enough answers to say."""
     wait: float = 0.0
     """Steps of the batch a newcomer finds (as the profile prices one) that it waits for its first
     token beyond the half step in flight: vLLM's engine takes a newcomer at the next step, but its
@@ -64,11 +64,19 @@ class Burst:
     arrivals_per_s: float
     prefill_tokens_per_s: float
     lasted_s: float
+    arrivals_before_per_s: float = 0.0
+    prefill_tokens_before_per_s: float = 0.0
+    """The rates before it began, which it is expected to fall back to: the longer window's rates
+    less what the burst has added to them since (`Replica.prompt_rates`). Not the longer window's
+    rates themselves, which a burst a few seconds old has already raised: the forecast would count
+    the burst once while it lasts, and again for the rest of a life as if it never ended."""
 
     def shared(self, share: float) -> Burst:
         """The fleet's, from this gateway's own over its share of the fleet's work."""
         return replace(self, arrivals_per_s=self.arrivals_per_s / share,
-                       prefill_tokens_per_s=self.prefill_tokens_per_s / share)  # fmt: skip
+                       prefill_tokens_per_s=self.prefill_tokens_per_s / share,
+                       arrivals_before_per_s=self.arrivals_before_per_s / share,
+                       prefill_tokens_before_per_s=self.prefill_tokens_before_per_s / share)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -122,17 +130,23 @@ class ReplicaState:
         )  # fmt: skip
 
     def prompt_rates(self, horizon_s: float) -> tuple[float, float]:
-        """Prompts and prompt tokens a second to expect over the next `horizon_s`: the steady rates,
-        and a burst's excess for about as long again as it has lasted, not the whole horizon
-        (nothing tells how long a burst will last but how long it has: a storm seen for two
-        seconds does not stall every step of an answer a minute long; one seen for a minute does)."""
+        """Prompts and prompt tokens a second to expect over the next `horizon_s`: a burst's rates
+        for about as long again as it has lasted, not the whole horizon, and then the rates from
+        before it (nothing tells how long a burst will last but how long it has: a storm seen for
+        two seconds does not stall every step of an answer a minute long; one seen for a minute
+        does); with no burst, the steady rates."""
         if self.burst is None:
             return self.arrivals_per_s, self.prefill_tokens_per_s
-        lasts = min(self.burst.lasted_s / horizon_s, 1.0) if horizon_s > 0 else 1.0
+        b = self.burst
+        lasts = min(b.lasted_s / horizon_s, 1.0) if horizon_s > 0 else 1.0
         return (
-            self.arrivals_per_s + (self.burst.arrivals_per_s - self.arrivals_per_s) * lasts,
-            self.prefill_tokens_per_s + (self.burst.prefill_tokens_per_s - self.prefill_tokens_per_s) * lasts,
+            b.arrivals_before_per_s + (b.arrivals_per_s - b.arrivals_before_per_s) * lasts,
+            b.prefill_tokens_before_per_s + (b.prefill_tokens_per_s - b.prefill_tokens_before_per_s) * lasts,
         )
+
+    def prefill_tokens_after_burst_per_s(self) -> float:
+        """Prompt tokens a second to expect once a burst on now is over: the rate from before it."""
+        return self.burst.prefill_tokens_before_per_s if self.burst is not None else self.prefill_tokens_per_s
 
     @property
     def load(self) -> float:
