@@ -4,9 +4,10 @@ Past its capacity a fleet cannot meet every request's SLOs, and which policy mee
 on how long the overload lasts. A fixed rule sends every request at once. A storm shorter than the
 answers it lands on is absorbed: its prefills stall the steps of answers that go on decoding after
 it, and a TPOT is a mean over the whole answer. A sustained overload grows the replicas' queues
-without end, and every TTFT with them. The adaptive policy prices each request as if the load it
-sees went on (the replicas' recent rates of arriving prompts), holds what it predicts cannot meet
-its targets, and refuses it when its TTFT target has passed.
+without end, and every TTFT with them. The adaptive policy prices each request as if a storm went
+on about as long again as it has lasted (the replicas' recent rates of arriving prompts, then the
+rates from before the storm), holds what it predicts cannot meet its targets, and refuses it when
+its TTFT target has passed.
 
 Each cell runs at each load for several durations: the cell's trace (`bench.grid`) over that many
 seconds at that load, on an idle fleet. The requests arriving in the middle third are counted: a

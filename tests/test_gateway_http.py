@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from specgate.calibration.modes import Pool
-from specgate.gateway.advisor import AdvisorSettings
+from specgate.gateway.advisor import AdvisorSettings, split_gain
 from specgate.gateway.app import make_app, make_runner
 from specgate.gateway.clients import ClientKey, hashed
 from specgate.gateway.config import AuthSettings, GatewaySettings, Retries, StoreSettings, Timeouts
@@ -394,8 +394,11 @@ async def test_the_advisor_plans_the_split_on_the_recent_traffic(fleet: dict[Poo
     assert set(view["attainment_by_speculative_replicas"]) == {"0", "1", "2"}
     good = view["good_tokens_per_s_by_speculative_replicas"]
     assert set(good) == {"0", "1", "2"}
-    assert good["1"] > 0  # 30 tokens each, a light load: met
-    assert view["predicted_gain"] == pytest.approx(good[str(int(recommended))] / good["1"] - 1)
+    assert max(good.values()) > 0  # some split serves some of them in time
+    # (six requests within 0.2 s and a 10,000-token prompt on the A100 34B profile, three times
+    # over: a split may meet none of them, and a gain over nothing is infinite, shown as null)
+    gain = split_gain({int(k): v for k, v in good.items()}, int(recommended), 1)
+    assert view["predicted_gain"] == (pytest.approx(gain) if math.isfinite(gain) else None)
     error = view["predicted_gain_error"]  # the gain's noise, from the plan's stretches of traffic
     assert error == 0.0 if recommended == 1.0 else 0.0 <= error < math.inf
     # Switching is off: no plan is counted toward a move.
