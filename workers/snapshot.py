@@ -67,8 +67,8 @@ class Burst:
     arrivals_before_per_s: float = 0.0
     prefill_tokens_before_per_s: float = 0.0
     """The rates before it began, which it is expected to fall back to: the longer window's rates
-    less what the burst has added to them since (`Replica.prompt_rates`). Not the longer window's
-    rates themselves, which a burst a few seconds old has already raised: the forecast would count
+    when it began (`Replica.dispatched_one`, every process's prompts counted). Not the longer
+    window's rates now, which a burst a few seconds old has already raised: the forecast would count
     the burst once while it lasts, and again for the rest of a life as if it never ended."""
 
     def shared(self, share: float) -> Burst:
