@@ -339,9 +339,14 @@ class LatencyFit:
         prediction still converging, which the TPOT factor takes up)."""
         total, weight = self._quiet
         quiet = math.sqrt(total / weight) if weight >= SPREAD_MIN_ANSWERS else 0.0
-        total, weight = self._errors.get("tpot", (0.0, 0.0))
-        made = math.sqrt(total / weight) if weight >= SPREAD_MIN_ANSWERS else 0.0
+        made = self._rms("tpot", SPREAD_MIN_ANSWERS) or 0.0
         return min(max(quiet, made), MAX_SPREAD)
+
+    def _rms(self, kind: str, min_weight: float = 0.0) -> float | None:
+        """The root mean square of the recent log errors of `kind`'s predictions as made; None
+        before answers weighing more than nothing (and at least `min_weight`)."""
+        total, weight = self._errors.get(kind, (0.0, 0.0))
+        return math.sqrt(total / weight) if weight > 0 and weight >= min_weight else None
 
     def _solve(self, rows: Sequence[tuple[list[float], float]] = ()) -> None:
         """The scales from the answers so far and the prior; `rows`, the newest answer's
@@ -391,11 +396,7 @@ class LatencyFit:
             self.scales = replace(self.scales, ttft_factor=ttft, tpot_factor=tpot)
 
     def report(self) -> FitReport:
-        def rms(kind: str) -> float | None:
-            total, weight = self._errors.get(kind, (0.0, 0.0))
-            return math.sqrt(total / weight) if weight > 0 else None
-
-        return FitReport(self.scales, self._stderr, self.answers, self.fitted, rms("ttft"), rms("tpot"))
+        return FitReport(self.scales, self._stderr, self.answers, self.fitted, self._rms("ttft"), self._rms("tpot"))
 
 
 def _inverse(a: list[list[float]]) -> list[list[float]] | None:

@@ -310,7 +310,7 @@ class Replica:
         self.prefill_tokens += prompt_tokens
         if now is not None:
             was_bursting = self._bursting(now)
-            before = self._rates[0].per_s(now)
+            before = self._rates[0].per_s(now) if not was_bursting else self._burst_before
             for rate in self._rates:
                 rate.add(prompt_tokens, now)
             if not self._bursting(now):
