@@ -10,7 +10,10 @@ one that ends):
   budget leaves beside B decodes; a speculative replica also runs the draft's prefill and its
   first k draft passes.
 - TPOT: the step time at batch B + 1 at the batch's mean context (from the scraped KV usage when
-  there is one, else this request's prompt plus half its expected output); a speculative replica
+  there is one, else this request's prompt plus half its expected output); in a burst, at the
+  batch growing by the requests arriving beyond the rate before it (which the answers ending kept
+  up with) for about as long again as it has lasted, averaged over the request's life, up to what
+  the replica runs at once (`max_num_seqs`, or its KV cache at that context); a speculative replica
   divides its draft-and-verify step by the tokens per step it was last seen to emit (the profile's
   mean until scraped), times what requests like this one get over that mean (`policies/drafts.py`).
   Chunked prefill of the prompts still arriving rides along and slows those steps: at a rate of
@@ -181,9 +184,11 @@ class LatencyModel:
     def _mean_context(self, replica: ReplicaState, batch: int, fallback: float) -> float:
         if replica.kv_usage is None or not batch:
             return fallback
-        spec = replica.pool is Pool.SPECULATIVE
-        capacity = self.profile.spec.kv_capacity_tokens if spec else self.profile.kv_capacity_tokens
-        return max(replica.kv_usage * capacity / batch, 1.0)
+        return max(replica.kv_usage * self._kv_capacity(replica.pool) / batch, 1.0)
+
+    def _kv_capacity(self, pool: Pool) -> int:
+        """The tokens a replica of `pool` holds in its KV cache, as the profile has it."""
+        return self.profile.spec.kv_capacity_tokens if pool is Pool.SPECULATIVE else self.profile.kv_capacity_tokens
 
     def _terms(self, pool: Pool, decode_seqs: int, context: float, prefill_tokens: int = 0) -> Vector:
         """One step as the profile prices it, split into its fixed part (a step of one sequence at
@@ -251,6 +256,23 @@ class LatencyModel:
         # rate of prompts is measured in real time, and the prefill scale brings it there.
         per_token_ms = max(self._terms(pool, running + 1, context, prompt)[2], 0.0) / prompt
         decode_tpot = joined_ms / tokens_per_step * factor
+        lives = joined  # the batch it decodes in, over its life: the one it joins, but in a burst
+        joining = 0.0
+        burst = replica.burst
+        if burst is not None and burst.arrivals_per_s > burst.arrivals_before_per_s:
+            # The requests arriving beyond the rate before the burst (which the replica's answers
+            # ending kept up with) stay in its batch: it grows while the burst lasts, for about as
+            # long again as it has (from the request's arrival), up to what the engine runs at once.
+            life_ms = ttft_ms + decode_tpot * gaps
+            in_burst_ms = min(max(burst.lasted_s * 1e3 - ttft_ms, 0.0), life_ms)
+            grown_ms = in_burst_ms - in_burst_ms * in_burst_ms / (2 * life_ms)  # its mean over the life
+            growth = (burst.arrivals_per_s - burst.arrivals_before_per_s) * grown_ms / 1e3
+            most = max(min(self.max_num_seqs, self._kv_capacity(pool) / max(context, 1.0)), running + 1)
+            batch_over_life = round(min(running + 1 + growth, most))
+            if batch_over_life > running + 1:
+                joining = batch_over_life - running - 1
+                lives = self._terms(pool, batch_over_life, context)
+                decode_tpot = scales.step_ms(lives) / tokens_per_step * factor
         # Prompts arriving while this request waits for its first token, and while it decodes,
         # each stall its decoding once (`stall_per_token`: one prompt token's prefill, in ms, as
         # the fitted prefill scale prices it; the TPOT factor multiplies the TPOT once, below).
@@ -290,9 +312,9 @@ class LatencyModel:
         # TPOT term by term (before its factor), the stalls' share held where it is: what the
         # step-cost fit needs.
         tpot_terms = (
-            joined[0] / tokens_per_step * per_gap,
-            joined[1] / tokens_per_step * per_gap,
-            (joined[2] / tokens_per_step + queued_stalls) * per_gap,
+            lives[0] / tokens_per_step * per_gap,
+            lives[1] / tokens_per_step * per_gap,
+            (lives[2] / tokens_per_step + queued_stalls) * per_gap,
             0.0,
             0.0,
         )
@@ -305,7 +327,8 @@ class LatencyModel:
         harm = batch * (max(stall, 0.0) + max(joined_ms - decode_ms, 0.0) * stay_steps) * factor if batch else 0.0
         priced = Priced(
             self.profile.name, (*ttft_terms, 1.0, waits), tpot_terms, (*joined, 0.0, 0.0), replica.in_flight,
-            per_sequence, queued=replica.prefill_tokens > 0, stall_share=max(share, rate * joined_ms / 1e3),
+            per_sequence, queued=replica.prefill_tokens > 0, joining=joining,
+            stall_share=max(share, rate * joined_ms / 1e3),
         )  # fmt: skip
         return Prediction(
             ttft_ms=ttft_ms,

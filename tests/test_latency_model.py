@@ -408,3 +408,86 @@ def test_the_tpot_factor_multiplies_the_tpot_once_however_busy_the_replica() -> 
         assert slower.tpot_ms == pytest.approx(1.2 * plain.tpot_ms, rel=1e-9)
         tpots.append(plain.tpot_ms)
     assert tpots[2] > 1.5 * tpots[0]  # the prompts take a good share of the replica's time
+
+
+def _burst_answer(
+    profile: Profile, pool: Pool, rate: float, lasted_s: float, output: int
+) -> tuple[ReplicaState, float]:
+    """Requests with short prompts and long answers arriving at `rate` a second at an idle replica
+    for twice `lasted_s`, and an answer of `output` tokens sent to it halfway: the replica as the
+    gateway sees it when the answer is sent (the burst as long as it has lasted by then, from
+    nothing before it), and the answer's TPOT in ms."""
+    prompt = 32
+    engine = Engine(profile, pool, EngineConfig(acceptance_concentration=0.0))
+    arrivals = [i / rate for i in range(round(rate * 2 * lasted_s))]
+    state, sent, tpot = None, 0, None
+    while tpot is None:
+        while sent < len(arrivals) and arrivals[sent] <= engine.now:
+            engine.add_request(f"burst-{sent}", prompt, 3000, arrival=arrivals[sent])
+            sent += 1
+        if state is None and engine.now >= lasted_s:
+            burst = Burst(rate, rate * prompt, lasted_s)
+            state = idle(pool, in_flight=engine.num_running + engine.num_waiting, running=float(engine.num_running),
+                         waiting=float(engine.num_waiting), kv_usage=engine.kv_usage, burst=burst)  # fmt: skip
+            engine.add_request("answer", prompt, output, arrival=engine.now)
+        tpot = next((f.tpot for f in engine.step().finished if f.request_id == "answer"), None)
+    assert state is not None
+    return state, tpot * 1e3
+
+
+@pytest.mark.parametrize(
+    ("profile", "pool", "rate"),
+    [
+        (H100_LLAMA31_8B, Pool.PLAIN, 40.0),
+        (H100_LLAMA31_8B, Pool.SPECULATIVE, 40.0),
+        (A100_CODELLAMA_34B, Pool.SPECULATIVE, 20.0),
+    ],
+    ids=["h100-plain", "h100-speculative", "a100-speculative"],
+)
+def test_a_burst_grows_the_batch_an_answer_decodes_in(profile: Profile, pool: Pool, rate: float) -> None:
+    """Requests arriving faster than before a burst, and staying, fill the batch while it lasts:
+    an answer sent two seconds into one (which lasts as long again) decodes beside far more
+    requests than it joined. Priced at the batch it joins, its TPOT is 9-29% short of what the
+    engine measures; priced at the batch growing for as long again as the burst has lasted, 2-12%
+    off."""
+    state, measured = _burst_answer(profile, pool, rate, lasted_s=2.0, output=150)
+    model = LatencyModel(profile)
+    features = replace(FEATURES, prompt_tokens=32, expected_output_tokens=150, output_hinted=True)
+    grown = model.predict(state, features)
+    assert state.burst is not None
+    joined = model.predict(replace(state, burst=replace(state.burst, arrivals_per_s=0.0)), features)
+    assert grown.terms.joining > 10
+    assert joined.terms.joining == 0
+    assert grown.tpot_ms == pytest.approx(measured, rel=0.15)
+    assert joined.tpot_ms < grown.tpot_ms
+    assert abs(grown.tpot_ms - measured) < abs(joined.tpot_ms - measured) * 0.6
+
+
+def test_the_batch_grows_no_further_than_the_engine_runs_at_once() -> None:
+    """However fast requests arrive, a replica runs at most `max_num_seqs` of them (fewer when
+    their contexts fill its KV cache): a storm of thousands a second prices the TPOT of a full
+    batch, not of a batch of thousands."""
+    model = LatencyModel(H100_LLAMA31_8B, max_num_seqs=64)
+    storm = idle(Pool.PLAIN, in_flight=8, burst=Burst(5000.0, 5000.0 * 32, lasted_s=60.0))
+    features = replace(FEATURES, prompt_tokens=32, expected_output_tokens=150, output_hinted=True)
+    p = model.predict(storm, features)
+    assert p.terms.joining == 64 - 8 - 1
+    full = model.predict(idle(Pool.PLAIN, in_flight=63), features)
+    assert p.decode_tpot_ms == pytest.approx(full.decode_tpot_ms, rel=0.01)
+
+
+def test_the_tpot_factor_learns_what_the_model_misses_not_what_the_forecast_did() -> None:
+    """Answers that decoded beside the batch they were priced at, 30% slower than predicted, move
+    the TPOT factor to 1.3; answers that found three times the requests the prediction took them
+    to (a storm that outlasted its forecast) do not move it, for it would multiply every later
+    prediction, at whatever batch, but they count in how far the TPOTs spread."""
+    model = LatencyModel(H100_LLAMA31_8B)
+    priced = model.predict(idle(Pool.PLAIN, in_flight=4), FEATURES).terms
+    tpot = predicted_ms(Scales(), priced.tpot)
+    as_priced, crowded = LatencyFit(), LatencyFit()
+    for _ in range(200):
+        as_priced.observe(None, tpot * 1.3, priced, in_flight=5.0)
+        crowded.observe(None, tpot * 3.0, priced, in_flight=15.0)
+    assert as_priced.scales.tpot_factor == pytest.approx(1.3, rel=0.02)
+    assert crowded.scales.tpot_factor == 1.0
+    assert crowded.scales.tpot_spread > 0.4

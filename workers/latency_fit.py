@@ -29,11 +29,13 @@ nothing queued ahead of it):
 Each answer is fitted against the profile's own terms, not against a prediction already corrected:
 what the fit said before cannot feed back into what it learns next.
 
-What the steps so fitted still miss of the TTFT and TPOT the pool's requests see, from every
-answer, is kept as a smoothed ratio per kind (`Scales.ttft_factor`, `tpot_factor`): the model's
-picture of a replica is not the replica (prefill stalls it estimates from a rate, a queue it
-does not time, a batch that grows under a request, a crowded KV cache), and that error is not
-the step costs'. How far the TPOTs spread about their predictions as made is kept too
+What the steps so fitted still miss of the TTFT and TPOT the pool's requests see is kept as a
+smoothed ratio per kind (`Scales.ttft_factor`, `tpot_factor`): the model's picture of a replica is
+not the replica (prefill stalls it estimates from a rate, a queue it does not time, a crowded KV
+cache), and that error is not the step costs'. The TTFT factor learns from every answer; the TPOT
+factor only from answers that decoded beside about the batch their prediction took (its growth in
+a burst included): one that found twice or half as many requests is the forecast's miss (a storm
+that outlasted it, a cold start), which the factor would carry into every later prediction. How far the TPOTs spread about their predictions as made is kept too
 (`Scales.tpot_spread`): the replica's own noise and what the forecast of the arriving prompts
 missed (a storm that went on longer, or ended sooner, than it had lasted), which the chance of
 meeting a TPOT target must allow for; so a request far inside its target is sent however
@@ -80,6 +82,7 @@ its TPOT spreads by the replica's own noise, not by how many prompts happened to
 SPREAD_MIN_ANSWERS = 10.0
 """Quiet answers (by their decayed weight) before their spread is taken as the replica's."""
 MAX_SPREAD = 0.5
+SETTLED_GROWTH = 2.0
 _MAX_FACTOR_STEP = math.log(2.0)
 """One answer moves a factor as if it were at most twice or half its prediction: one request
 stuck behind a preemption cannot wreck it."""
@@ -102,6 +105,9 @@ class Priced:
     queued: bool = False
     """Prompts were waiting for their first token there: its TTFT waits on their prefill, which
     the gateway counts but cannot time."""
+    joining: float = 0.0
+    """Requests it was expected to see join its replica's batch over its life beyond those that
+    leave (a burst's), on average: what the prediction took the batch to grow by."""
     stall_share: float = 0.0
     """The larger of the share of the replica's time the model expects arriving prompts' prefill
     to take and the share of its steps they ride in: past MAX_STALL_SHARE the median gap between
@@ -283,7 +289,14 @@ class LatencyFit:
         # bounded step. The error it follows changes with the load, so every process of the
         # gateway moves the same factors, one answer after another (`SharedFit`).
         low, high = CORRECTION_RANGE
+        # A TPOT over a batch that was not the one priced (twice or half the requests the forecast
+        # took it to decode beside) is the forecast's miss, which its spread takes up (a storm
+        # that lasted longer than it had, or ended sooner), not the model's: the factor, which
+        # multiplies every prediction after it, whatever the batch, does not learn it.
+        settled = in_flight is None or self._as_forecast(in_flight, priced)
         for kind, (seen, terms) in measured.items():
+            if kind == "tpot" and not settled:
+                continue
             predicted = predicted_ms(self.scales, terms) * factors[kind]
             step = max(-_MAX_FACTOR_STEP, min(_MAX_FACTOR_STEP, math.log(seen / predicted)))
             factors[kind] = min(max(factors[kind] * math.exp(self._smoothing * step), low), high)
@@ -293,6 +306,13 @@ class LatencyFit:
         self._factors_stamp += 1
         if self.shared is not None and self.basis is not None:
             self.shared.publish_factors(self.basis, factors["ttft"], factors["tpot"], self._factors_stamp)
+
+    @staticmethod
+    def _as_forecast(in_flight: float, priced: Priced) -> bool:
+        """Whether the requests on its replica over its life (`in_flight`, the mean) were about as
+        many as the prediction took them to be."""
+        expected = priced.in_flight + 1 + priced.joining
+        return 1 / SETTLED_GROWTH <= in_flight / expected <= SETTLED_GROWTH
 
     def _fit(self, measured: list[tuple[float, Terms]]) -> None:
         """Fit the answer's equations: each relative to its prediction, the measurement bounded."""
