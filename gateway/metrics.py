@@ -137,8 +137,9 @@ def _fit_gauges(r: CollectorRegistry, fleet: Fleet) -> None:
     error = Gauge("specgate_prediction_log_error", "Root mean square of log(measured / predicted) over the "
                   "pool's recent answers, by kind (ttft, tpot).", ("pool", "kind"), registry=r)  # fmt: skip
     factor = Gauge("specgate_prediction_factor", "Measured over predicted latency that the fitted step costs "
-                   "still miss on the pool's answers, smoothed, by kind (ttft, tpot): it multiplies the "
-                   "predictions.", ("pool", "kind"), registry=r)  # fmt: skip
+                   "still miss on the pool's answers, smoothed, by kind (ttft, tpot; tpot from answers "
+                   "whose batch was about the one predicted): it multiplies the predictions.",
+                   ("pool", "kind"), registry=r)  # fmt: skip
     spread = Gauge("specgate_tpot_spread", "Root mean square of log(measured / predicted) TPOT over the "
                    "pool's answers, predictions as made: the replica's noise and the traffic forecast's "
                    "misses, which the predictions' chances allow for.", ("pool",), registry=r)  # fmt: skip

@@ -35,11 +35,12 @@ not the replica (prefill stalls it estimates from a rate, a queue it does not ti
 cache), and that error is not the step costs'. The TTFT factor learns from every answer; the TPOT
 factor only from answers that decoded beside about the batch their prediction took (its growth in
 a burst included): one that found twice or half as many requests is the forecast's miss (a storm
-that outlasted it, a cold start), which the factor would carry into every later prediction. How far the TPOTs spread about their predictions as made is kept too
-(`Scales.tpot_spread`): the replica's own noise and what the forecast of the arriving prompts
-missed (a storm that went on longer, or ended sooner, than it had lasted), which the chance of
-meeting a TPOT target must allow for; so a request far inside its target is sent however
-uncertain the forecast, and one at its edge is not.
+that outlasted it, a cold start), which the factor would carry into every later prediction. How
+far the TPOTs spread about their predictions as made is kept too (`Scales.tpot_spread`): the
+replica's own noise and what the forecast of the arriving prompts missed (a storm that went on
+longer, or ended sooner, than it had lasted), which the chance of meeting a TPOT target must allow
+for; so a request far inside its target is sent however uncertain the forecast, and one at its
+edge is not.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ SPREAD_MIN_ANSWERS = 10.0
 """Quiet answers (by their decayed weight) before their spread is taken as the replica's."""
 MAX_SPREAD = 0.5
 SETTLED_GROWTH = 2.0
+"""An answer whose replica carried more than this many times the requests its prediction took
+(or fewer than its inverse), on average over its life, does not move the TPOT factor."""
 _MAX_FACTOR_STEP = math.log(2.0)
 """One answer moves a factor as if it were at most twice or half its prediction: one request
 stuck behind a preemption cannot wreck it."""
