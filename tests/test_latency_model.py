@@ -448,8 +448,8 @@ def test_a_burst_grows_the_batch_an_answer_decodes_in(profile: Profile, pool: Po
     """Requests arriving faster than before a burst, and staying, fill the batch while it lasts:
     an answer sent two seconds into one (which lasts as long again) decodes beside far more
     requests than it joined. Priced at the batch it joins, its TPOT is 9-29% short of what the
-    engine measures; priced at the batch growing for as long again as the burst has lasted, 2-12%
-    off."""
+    engine measures; priced at the batch growing for as long again as the burst has lasted,
+    within 12%."""
     state, measured = _burst_answer(profile, pool, rate, lasted_s=2.0, output=150)
     model = LatencyModel(profile)
     features = replace(FEATURES, prompt_tokens=32, expected_output_tokens=150, output_hinted=True)
