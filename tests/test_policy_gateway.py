@@ -53,9 +53,16 @@ def drained(pool: Pool) -> PolicyDocument:
     return document(pools={pool.value: {"drain": True}})
 
 
+CALL_TIMEOUT_S = 30.0
+"""The most any one call through the gateway may take in these tests."""
+
+
 @contextlib.asynccontextmanager
 async def gateway(s: GatewaySettings) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
-    async with running_app(make_app(s)) as url, aiohttp.ClientSession() as session:
+    # Every call through the gateway has a deadline: one that hangs fails where it hangs, not at
+    # the whole test's timeout with nothing but the event loop's wait on its stack.
+    limit = aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
+    async with running_app(make_app(s)) as url, aiohttp.ClientSession(timeout=limit) as session:
         yield url, session
 
 
