@@ -1,6 +1,8 @@
 """Replica accounting and health: admission on scrape, ejection, re-admission."""
 
 import math
+import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -272,6 +274,39 @@ def test_a_burst_that_goes_on_is_expected_to_go_on_about_as_long_again() -> None
     later = storm.state(141.0).burst
     assert later is not None
     assert later.lasted_s == settings.burst_window_s
+
+
+def _random_prompts(replica: Replica, rnd: random.Random, rate: float, since: float, until: float) -> Iterator[float]:
+    """Prompts sent to `replica` at random at `rate` a second, long-tailed (the windows cross at
+    every arrival); yields each arrival's time before its prompt is sent."""
+    now = since
+    while (now := now + rnd.expovariate(rate)) < until:
+        yield now
+        replica.dispatched_one(int(rnd.lognormvariate(7.0, 1.0)), now=now)
+
+
+@pytest.mark.parametrize("rate", [0.5, 2.0, 8.0])
+def test_prompts_at_random_at_a_steady_rate_are_seldom_a_burst(rate: float) -> None:
+    rnd = random.Random(1)
+    replica = Replica("plain-0", "http://x", Pool.PLAIN, FleetSettings(rate_window_s=10.0, burst_window_s=2.0))
+    bursts = [replica.state(now).burst is not None for now in _random_prompts(replica, rnd, rate, 0.0, 600.0)]
+    assert sum(bursts[int(60 * rate) :]) / len(bursts[int(60 * rate) :]) < 0.08  # (shorter window above: 33-45%)
+
+
+@pytest.mark.parametrize("rate", [2.0, 8.0])
+def test_a_storm_is_a_burst_within_seconds_priced_from_the_rate_before_it(rate: float) -> None:
+    rnd = random.Random(1)
+    replica = Replica("plain-0", "http://x", Pool.PLAIN, FleetSettings(rate_window_s=10.0, burst_window_s=2.0))
+    for _ in _random_prompts(replica, rnd, rate, 0.0, 300.0):
+        pass
+    storm = [(now, replica.state(now).burst) for now in _random_prompts(replica, rnd, 5 * rate, 300.0, 310.0)]
+    began = next(at for at, burst in storm if burst is not None)
+    assert began - 300.0 < 2.0
+    bursts = [burst for _, burst in storm if burst is not None]
+    assert len(bursts) / len(storm) > 0.8  # and on through it (the windows have noise of their own)
+    assert max(burst.lasted_s for burst in bursts) > 5.0
+    assert all(burst.arrivals_before_per_s == pytest.approx(rate, rel=0.5) for burst in bursts)
+    assert bursts[-1].arrivals_per_s == pytest.approx(5 * rate, rel=0.4)
 
 
 def test_the_document_moves_a_replica_to_the_other_pool_and_drains_one() -> None:
