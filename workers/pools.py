@@ -245,6 +245,9 @@ class Replica:
         """Since when its prompts come faster than the longer window shows; None when they do not."""
         self._burst_before = (0.0, 0.0)
         """The longer window's prompts and prompt tokens a second (all processes') when it began."""
+        self._calm: tuple[float, tuple[float, float]] = (0.0, (0.0, 0.0))
+        """The last prompt's arrival that found the shorter window at or below the longer, and
+        the longer window's rates then: where a burst that begins now began, and from what."""
         self._dispatched_at_scrape = 0.0
         self._last_spec: SpecCounters | None = None
         self._progress: tuple[float, float] = (-1.0, 0.0)
@@ -318,17 +321,21 @@ class Replica:
             was_bursting = self._bursting(now)
             if not was_bursting:
                 self._burst_since = None
-            before = self._rates[0].per_s(now) if not was_bursting else self._burst_before
+                steady, burst = (r.per_s(now) for r in self._rates)
+                if burst[0] <= steady[0]:
+                    # Calm: a burst that begins from here rises from this rate, this process's
+                    # prompts and the other processes' alike (it is told from chance only a few
+                    # prompts into it, which the longer window by then counts too).
+                    others = self._others(now)
+                    if others is not None:
+                        steady = (steady[0] + others.rates[0][0], steady[1] + others.rates[0][1])
+                    self._calm = (now, steady)
             for rate in self._rates:
                 rate.add(prompt_tokens, now)
             if not self._bursting(now):
                 self._burst_since = None
             elif not was_bursting:  # (decaying, the shorter window can only fall behind the longer)
-                # what came before it, this process's prompts and the other processes' alike
-                others = self._others(now)
-                if others is not None:
-                    before = (before[0] + others.rates[0][0], before[1] + others.rates[0][1])
-                self._burst_since, self._burst_before = now, before
+                self._burst_since, self._burst_before = self._calm
         self._publish()
         return self._stay(at)
 
