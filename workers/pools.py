@@ -292,11 +292,10 @@ class Replica:
 
     def request_seconds(self, now: float) -> float:
         """The gateway's requests on it (all its processes'), integrated over time."""
-        return self._stay(now).request_seconds
+        return self._stay(now, self._others(now)).request_seconds
 
-    def _stay(self, now: float) -> Stay:
-        """`request_seconds` and `dispatched_by_gateway` at `now`, the other processes read once."""
-        others = self._others(now)
+    def _stay(self, now: float, others: Others | None) -> Stay:
+        """`request_seconds` and `dispatched_by_gateway` at `now`, with the other processes' `others`."""
         request_seconds, dispatched = self._own_request_seconds(now), float(self.dispatched)
         if others is not None:
             request_seconds, dispatched = request_seconds + others.request_seconds, dispatched + others.dispatched
@@ -317,6 +316,7 @@ class Replica:
         self._count(1, at)
         self.prefilling += 1
         self.prefill_tokens += prompt_tokens
+        others = self._others(at)  # (read once: this process's own counts are not in them)
         if now is not None:
             was_bursting = self._bursting(now)
             if not was_bursting:
@@ -326,7 +326,6 @@ class Replica:
                     # Calm: a burst that begins from here rises from this rate, this process's
                     # prompts and the other processes' alike (it is told from chance only a few
                     # prompts into it, which the longer window by then counts too).
-                    others = self._others(now)
                     if others is not None:
                         steady = (steady[0] + others.rates[0][0], steady[1] + others.rates[0][1])
                     self._calm = (now, steady)
@@ -337,7 +336,7 @@ class Replica:
             elif not was_bursting:  # (decaying, the shorter window can only fall behind the longer)
                 self._burst_since, self._burst_before = self._calm
         self._publish()
-        return self._stay(at)
+        return self._stay(at, others)
 
     def _publish(self) -> None:
         if self.shared is not None:
@@ -444,7 +443,7 @@ class Replica:
         if stay is not None:
             end = time.monotonic() if now is None else now
             if end > stay.sent:  # all the fleet's requests, as far as this gateway's share tells
-                ended = self._stay(end)
+                ended = self._stay(end, self._others(end))
                 in_flight = (ended.request_seconds - stay.request_seconds) / (end - stay.sent)
                 # (at least itself: a process of the gateway restarted meanwhile takes its requests back)
                 in_flight = max(in_flight / self.counted_share(), 1.0)
