@@ -318,10 +318,10 @@ class Replica:
         self.prefill_tokens += prompt_tokens
         others = self._others(at)  # (read once: this process's own counts are not in them)
         if now is not None:
-            was_bursting = self._bursting(now)
+            steady, burst = (r.per_s(now) for r in self._rates)
+            was_bursting = self._is_burst(steady[0], burst[0], going_on=self._burst_since is not None)
             if not was_bursting:
                 self._burst_since = None
-                steady, burst = (r.per_s(now) for r in self._rates)
                 if burst[0] <= steady[0]:
                     # Calm: a burst that begins from here rises from this rate, this process's
                     # prompts and the other processes' alike (it is told from chance only a few
@@ -362,7 +362,7 @@ class Replica:
         if others is not None:
             rates = [(own[0] + more[0], own[1] + more[1]) for own, more in zip(rates, others.rates, strict=True)]
         (prompts, tokens), (burst_prompts, burst_tokens) = rates
-        if not self._is_burst(rates[0], rates[1], going_on=self._burst_since is not None):
+        if not self._is_burst(prompts, burst_prompts, going_on=self._burst_since is not None):
             return prompts, tokens, None
         # What came before the burst, as the longer window had it when this process saw it begin
         # (its own prompts and the other processes'): the rate it is expected to fall back to. A
@@ -375,21 +375,20 @@ class Replica:
 
     def _bursting(self, now: float) -> bool:
         """Whether this process's own prompts make a burst (`_is_burst`)."""
-        steady, burst = (r.per_s(now) for r in self._rates)
-        return self._is_burst(steady, burst, going_on=self._burst_since is not None)
+        (prompts, _), (burst_prompts, _) = (r.per_s(now) for r in self._rates)
+        return self._is_burst(prompts, burst_prompts, going_on=self._burst_since is not None)
 
-    def _is_burst(self, steady: tuple[float, float], burst: tuple[float, float], *, going_on: bool) -> bool:
-        """Whether the shorter window's prompts a second (`burst`, with their tokens) make a burst
-        beside the longer window's (`steady`). One `going_on` lasts while the shorter window sees
-        more prompts. One begins only when it sees more than chance gives: prompts arriving at
-        random at a steady rate put the shorter window above the longer about half the time, each
+    def _is_burst(self, prompts: float, burst_prompts: float, *, going_on: bool) -> bool:
+        """Whether the shorter window's prompts a second, `burst_prompts`, make a burst beside the
+        longer window's, `prompts`. One `going_on` lasts while the shorter window sees more
+        prompts. One begins only when it sees more than chance gives: prompts arriving at random
+        at a steady rate put the shorter window above the longer about half the time, each
         arrival's jitter, and taken for bursts they would grow every batch priced in steady
         traffic. For random arrivals at the longer window's rate λ, the two windows' difference
         has a variance of λ (1/2a + 1/2b - 2/(a + b)) (time constants a and b); a burst begins at
         an excess of `BURST_SIGNIFICANCE` standard deviations. (Prompts, not their tokens: one
         long prompt is not a burst, and it would hold the longer window's tokens above the
         shorter's through a storm of short ones.)"""
-        (prompts, _), (burst_prompts, _) = steady, burst
         if burst_prompts <= prompts:
             return False
         if going_on:
