@@ -1,9 +1,10 @@
 """Probes of the engine model in virtual time: one request alone, one pure decode step, a burst of
-requests at once, a long speculative run. Exact and repeatable; the fidelity benchmark and the
-tests read the profiles' behaviour through them."""
+requests at once, a long speculative run, clients in a closed loop. Exact and repeatable; the
+fidelity benchmark and the tests read the profiles' behaviour through them."""
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from dataclasses import dataclass
 
@@ -79,3 +80,30 @@ def speculative_run(profile: Profile, alpha: float, requests: int = 40) -> Engin
     while engine.has_work():
         engine.step()
     return engine
+
+
+def closed_loop(
+    profile: Profile, mode: Pool, clients: int, requests: int, prompt: int, output: int, stagger_s: float = 0.0
+) -> tuple[float, float]:
+    """Median TTFT and TPOT (ms) of `requests` requests of `prompt` tokens, each answering
+    `output`, with `clients` in flight in a closed loop (each client sends its next request as its
+    last one ends; the clients start `stagger_s` apart): `specgate bench cpu-fidelity`'s load, in
+    virtual time. Each request draws its acceptance from a seed of its own, so that two profiles
+    run on the same draws."""
+    engine = Engine(profile, mode, EngineConfig())
+    sends = [(i * stagger_s, i) for i in range(clients)]
+    client_of: dict[str, int] = {}
+    finished: list[FinishedRequest] = []
+    while len(finished) < requests:
+        while sends and len(client_of) < requests and (sends[0][0] <= engine.now or not engine.has_work()):
+            at, client = heapq.heappop(sends)
+            request_id = f"r{len(client_of)}"
+            client_of[request_id] = client
+            engine.add_request(request_id, prompt, output, arrival=at, seed=request_id)
+        step = engine.step()
+        for done in step.finished:
+            finished.append(done)
+            heapq.heappush(sends, (step.end, client_of[done.request_id]))
+    ttfts = [done.ttft * 1e3 for done in finished if done.ttft is not None]
+    tpots = [done.tpot * 1e3 for done in finished if done.tpot is not None]
+    return statistics.median(ttfts), statistics.median(tpots)

@@ -17,6 +17,7 @@ from specgate.calibration.modes import Pool
 from specgate.calibration.profiles import H100_LLAMA31_8B, PROFILES
 from specgate.cli import main
 from specgate.policies.latency_model import LatencyModel
+from specgate.sim.probes import closed_loop, run_alone
 from specgate.testing import start_sim, stop_process
 from specgate.workers.acceptance import SpecCounters
 
@@ -101,30 +102,31 @@ async def test_calibrating_simulated_servers_predicts_what_they_do(tmp_path: Pat
         work = Workload(concurrency=(1, 4), prompt_tokens=256, output_tokens=48, rounds=6)
         modes = ("plain", "speculative")
         urls = [s.url for s in servers]
-        truth_points = await measure(urls, work, dict(zip(urls, modes, strict=True)))
+        measured_points = await measure(urls, work, dict(zip(urls, modes, strict=True)))
     finally:
         for s in servers:
             stop_process(s.proc)
-    # The calibrated profile, simulated, under load as the servers it was measured on (the pipeline
-    # of `specgate bench cpu-fidelity`): requests at once, TTFT and TPOT medians. The servers
-    # measured are stopped first: on two cores four real-time replicas at once time each other.
-    fitted_file = tmp_path / "mine.json"
-    fitted_file.write_bytes(profile_file.dumps(result.file.profile, "fitted", datetime.date(2026, 12, 1)))
-    simulated = [start_sim(tmp_path / f"fitted-{mode}.log", "--port", "0", "--profile-file", str(fitted_file),
-                        "--mode", mode) for mode in modes]  # fmt: skip
-    try:
-        urls = [s.url for s in simulated]
-        fitted_points = await measure(urls, work, dict(zip(urls, modes, strict=True)))
-    finally:
-        for s in simulated:
-            stop_process(s.proc)
-    for at_truth, at_fitted in zip(truth_points, fitted_points, strict=True):
-        assert (at_fitted.mode, at_fitted.clients) == (at_truth.mode, at_truth.clients)
-        # Whether requests sent at once share one prefill step is a race, in the servers measured as
-        # in the fitted ones: their TTFT moves 58-68 ms between runs of the same server on two cores.
-        ttft_tolerance = 0.2 if at_truth.clients == 1 else 0.3
-        assert at_fitted.ttft_ms == pytest.approx(at_truth.ttft_ms, rel=ttft_tolerance), at_truth
-        assert at_fitted.tpot_ms == pytest.approx(at_truth.tpot_ms, rel=0.2), at_truth
+    # The calibrated profile under the load of `specgate bench cpu-fidelity` (requests in a closed
+    # loop, TTFT and TPOT medians), against the profile the servers ran, both in virtual time: what
+    # is compared is the fit, not two real-time runs on two shared cores, whose medians move by a
+    # fifth between runs of the same server.
+    requests = work.rounds * max(work.concurrency)
+    for point in measured_points:
+        pool = Pool(point.mode)
+        stagger_s = run_alone(ODD, pool, work.prompt_tokens, work.output_tokens).e2e / point.clients
+        load = (point.clients, requests, work.prompt_tokens, work.output_tokens, stagger_s)
+        (ttft, tpot), (fitted_ttft, fitted_tpot) = (closed_loop(p, pool, *load) for p in (ODD, result.file.profile))
+        # The servers ran ODD in real time, their clock the machine's: what they measured is what
+        # it prices, within what two loaded cores let a real-time replica keep to; and their TTFTs
+        # later, never sooner, by an HTTP round trip and, under load, the rest of the step in
+        # flight (a request sent as another ends arrives as the step that ended it is over, in
+        # virtual time; after a round trip, mid-step, in real time).
+        assert point.tpot_ms == pytest.approx(tpot, rel=0.3), point
+        assert ttft <= point.ttft_ms <= 2.5 * ttft, point
+        # A TTFT also carries the servers' own handling of a request (the HTTP round trip, reading
+        # and counting its prompt), which the fit rightly counts and ODD does not price (below).
+        assert fitted_ttft == pytest.approx(ttft, rel=0.2), point
+        assert fitted_tpot == pytest.approx(tpot, rel=0.1), point
     profile = result.file.profile
     assert profile.spec.num_speculative_tokens == 4
     assert profile.spec.acceptance_mean == pytest.approx(0.8, abs=0.05)
