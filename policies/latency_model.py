@@ -23,8 +23,12 @@ one that ends):
   tokens (on a speculative replica, several). The rate is the replica's steady one; in a burst,
   the burst's for about as long again as it has lasted (counted from the request's arrival), then
   the one from before it: a storm of a few seconds adds its stalls to an answer's life once, it
-  does not slow every step of a life that its stalls lengthen. The TPOT factor multiplies the
-  result once; it does not scale the prefill's share, where it would compound.
+  does not slow every step of a life that its stalls lengthen. The TPOT factor scales the
+  decoding alone; a stall is the prompt's prefill, which the prefill scale prices (fitted to
+  TTFTs, where prefill is timed directly). A factor fitted to whole TPOTs follows the many answers
+  that no stall hit where stalls are rare and large (short answers, long prompts): scaling the
+  stalls too, it priced each at a fraction of its cost, and a request that one stall would break
+  at a chance far above the share of answers none hits.
 - Harm: what joining costs the B requests already there: the steps that prefill this prompt stall
   all of them, and every later step is slower by the rise in step time from B to B + 1, for as
   many steps as this request stays; summed over the B requests.
@@ -275,15 +279,15 @@ class LatencyModel:
                 decode_tpot = scales.step_ms(lives) / tokens_per_step * factor
         # Prompts arriving while this request waits for its first token, and while it decodes,
         # each stall its decoding once (`stall_per_token`: one prompt token's prefill, in ms, as
-        # the fitted prefill scale prices it; the TPOT factor multiplies the TPOT once, below).
+        # the fitted prefill scale prices it; the TPOT factor does not scale a stall).
         stall_per_token = per_token_ms * scales.prefill
         _, waiting_tokens_per_s = replica.prompt_rates(ttft_ms / 1e3)
         queued_stalls = waiting_tokens_per_s * ttft_ms / 1e3 * per_token_ms / gaps  # times the prefill scale
         # However many prompts arrive, a step carries at most a chunk of them beside its decodes
         # (the token budget less theirs) and still emits its tokens: TPOT is at most every step so.
         joined_chunk = max(self.max_num_batched_tokens - (running + 1) * (1 + k), 1)
-        chunk_stall_ms = max(self._terms(pool, running + 1, context, joined_chunk)[2], 0.0) * scales.prefill * factor
-        unstalled = decode_tpot + queued_stalls * scales.prefill * factor
+        chunk_stall_ms = max(self._terms(pool, running + 1, context, joined_chunk)[2], 0.0) * scales.prefill
+        unstalled = decode_tpot + queued_stalls * scales.prefill
         every_step_stalled = decode_tpot + chunk_stall_ms / tokens_per_step
 
         def paced(tokens_per_s: float) -> float:
@@ -303,21 +307,11 @@ class LatencyModel:
             in_burst = min(max(replica.burst.lasted_s * 1e3 - ttft_ms, 0.0) / during, gaps)
             life_ms += in_burst * (during - life_ms / gaps)
         tpot = life_ms / gaps
-        per_gap = tpot / unstalled
         # The prompts expected over that life, one stall each, at the rates they are expected at.
         rate, tokens_per_s = replica.prompt_rates((ttft_ms + life_ms) / 1e3)
         arriving = tokens_per_s / rate if rate > 0 else prompt
         share = rate * arriving * stall_per_token / 1e3
-        stall_ms = arriving * stall_per_token * factor
-        # TPOT term by term (before its factor), the stalls' share held where it is: what the
-        # step-cost fit needs.
-        tpot_terms = (
-            lives[0] / tokens_per_step * per_gap,
-            lives[1] / tokens_per_step * per_gap,
-            (lives[2] / tokens_per_step + queued_stalls) * per_gap,
-            0.0,
-            0.0,
-        )
+        stall_ms = arriving * stall_per_token
         next_batch = min(running + 2, self.max_num_seqs)
         per_sequence = self._terms(pool, next_batch, context)[1] - joined[1]
         stalls = rate * (ttft_ms + life_ms) / 1e3
@@ -326,8 +320,9 @@ class LatencyModel:
         stall = scales.step_ms(prefill(prompt)) - decode_ms * math.ceil(prompt / chunk)
         harm = batch * (max(stall, 0.0) + max(joined_ms - decode_ms, 0.0) * stay_steps) * factor if batch else 0.0
         priced = Priced(
-            self.profile.name, (*ttft_terms, 1.0, waits), tpot_terms, (*joined, 0.0, 0.0), replica.in_flight,
-            per_sequence, queued=replica.prefill_tokens > 0, joining=joining,
+            self.profile.name, (*ttft_terms, 1.0, waits), (*_scaled(lives, 1 / tokens_per_step), 0.0, 0.0),
+            (*joined, 0.0, 0.0), replica.in_flight, per_sequence, queued=replica.prefill_tokens > 0, joining=joining,
+            stalls_ms=max(tpot - decode_tpot, 0.0),
             stall_share=max(share, rate * joined_ms / 1e3),
         )  # fmt: skip
         return Prediction(

@@ -31,16 +31,18 @@ what the fit said before cannot feed back into what it learns next.
 
 What the steps so fitted still miss of the TTFT and TPOT the pool's requests see is kept as a
 smoothed ratio per kind (`Scales.ttft_factor`, `tpot_factor`): the model's picture of a replica is
-not the replica (prefill stalls it estimates from a rate, a queue it does not time, a crowded KV
-cache), and that error is not the step costs'. The TTFT factor learns from every answer; the TPOT
-factor only from answers that decoded beside about the batch their prediction took (its growth in
-a burst included): one that found twice or half as many requests is the forecast's miss (a storm
-that outlasted it, a cold start), which the factor would carry into every later prediction. How
-far the TPOTs spread about their predictions as made is kept too (`Scales.tpot_spread`): the
-replica's own noise and what the forecast of the arriving prompts missed (a storm that went on
-longer, or ended sooner, than it had lasted), which the chance of meeting a TPOT target must allow
-for; so a request far inside its target is sent however uncertain the forecast, and one at its
-edge is not.
+not the replica (a queue it does not time, a batch that is not the one priced, a crowded KV
+cache), and that error is not the step costs'. The TPOT factor scales a TPOT's decoding, not the
+stalls that arriving prompts' prefill adds to it (`Priced.stalls_ms`, priced by the fitted prefill
+scale); it is fitted to the whole TPOT as predicted, stalls and all. The TTFT factor learns from
+every answer; the TPOT factor only from answers that decoded beside about the batch their
+prediction took (its growth in a burst included): one that found twice or half as many requests
+is the forecast's miss (a storm that outlasted it, a cold start), which the factor would carry
+into every later prediction. How far the TPOTs spread about their predictions as made is kept
+too (`Scales.tpot_spread`): the replica's own noise and what the forecast of the arriving prompts
+missed (a storm that went on longer, or ended sooner, than it had lasted), which the chance of
+meeting a TPOT target must allow for; so a request far inside its target is sent however
+uncertain the forecast, and one at its edge is not.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ class Priced:
     basis: str
     ttft: Terms
     tpot: Terms
+    """Its TPOT's decoding: the steps of the batch it decodes in, over the tokens a step emits (what
+    the prompts arriving meanwhile add is apart, `stalls_ms`)."""
     step: Terms
     """One step of the batch it decodes in (a speculative step's drafts and verification)."""
     in_flight: int = 0
@@ -111,6 +115,9 @@ class Priced:
     joining: float = 0.0
     """Requests it was expected to see join its replica's batch over its life beyond those that
     leave (a burst's), on average: what the prediction took the batch to grow by."""
+    stalls_ms: float = 0.0
+    """What prefilling the prompts arriving meanwhile adds to its TPOT, as predicted: `tpot`
+    prices its decoding alone, which is all the TPOT factor scales."""
     stall_share: float = 0.0
     """The larger of the share of the replica's time the model expects arriving prompts' prefill
     to take and the share of its steps they ride in: past MAX_STALL_SHARE the median gap between
@@ -270,8 +277,8 @@ class LatencyFit:
             predicted = predicted_ms(self.scales, terms)
             if seen is None or seen <= 0 or not math.isfinite(seen) or predicted <= 0:
                 continue
-            measured[kind] = (seen, terms)
-            log_error = math.log(seen / (predicted * factors[kind]))
+            measured[kind] = seen
+            log_error = math.log(seen / self._as_made(kind, priced, factors[kind]))
             self._error(kind, log_error)
             if kind == "tpot" and priced.stall_share <= QUIET_STALL_SHARE:
                 self._quiet_error(log_error)
@@ -282,7 +289,7 @@ class LatencyFit:
             return
         if steady:
             if "ttft" in measured and not priced.queued:
-                rows.append((measured["ttft"][0], priced.ttft))
+                rows.append((measured["ttft"], priced.ttft))
             if step_ms is not None and step_ms > 0 and math.isfinite(step_ms) and priced.stall_share <= MAX_STALL_SHARE:
                 rows.append((step_ms, priced.step_over(in_flight)))
         if rows:
@@ -297,10 +304,10 @@ class LatencyFit:
         # that lasted longer than it had, or ended sooner), not the model's: the factor, which
         # multiplies every prediction after it, whatever the batch, does not learn it.
         settled = in_flight is None or self._as_forecast(in_flight, priced)
-        for kind, (seen, terms) in measured.items():
+        for kind, seen in measured.items():
             if kind == "tpot" and not settled:
                 continue
-            predicted = predicted_ms(self.scales, terms) * factors[kind]
+            predicted = self._as_made(kind, priced, factors[kind])
             step = max(-_MAX_FACTOR_STEP, min(_MAX_FACTOR_STEP, math.log(seen / predicted)))
             factors[kind] = min(max(factors[kind] * math.exp(self._smoothing * step), low), high)
         self.scales = replace(
@@ -309,6 +316,13 @@ class LatencyFit:
         self._factors_stamp += 1
         if self.shared is not None and self.basis is not None:
             self.shared.publish_factors(self.basis, factors["ttft"], factors["tpot"], self._factors_stamp)
+
+    def _as_made(self, kind: str, priced: Priced, factor: float) -> float:
+        """A TTFT or TPOT as the fitted steps now price it and `factor` corrects it: all of a
+        TTFT; of a TPOT, its decoding, and its stalls as predicted."""
+        if kind == "ttft":
+            return predicted_ms(self.scales, priced.ttft) * factor
+        return predicted_ms(self.scales, priced.tpot) * factor + priced.stalls_ms
 
     @staticmethod
     def _as_forecast(in_flight: float, priced: Priced) -> bool:
