@@ -138,7 +138,8 @@ def _fit_gauges(r: CollectorRegistry, fleet: Fleet) -> None:
                   "pool's recent answers, by kind (ttft, tpot).", ("pool", "kind"), registry=r)  # fmt: skip
     factor = Gauge("specgate_prediction_factor", "Measured over predicted latency that the fitted step costs "
                    "still miss on the pool's answers, smoothed, by kind (ttft, tpot; tpot from answers "
-                   "whose batch was about the one predicted): it multiplies the predictions.",
+                   "whose batch was about the one predicted): it multiplies the predictions (of a TPOT, "
+                   "its decoding, not the stalls by arriving prompts' prefill).",
                    ("pool", "kind"), registry=r)  # fmt: skip
     spread = Gauge("specgate_tpot_spread", "Root mean square of log(measured / predicted) TPOT over the "
                    "pool's answers, predictions as made: the replica's noise and the traffic forecast's "
