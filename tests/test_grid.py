@@ -34,6 +34,18 @@ def test_the_cells_vary_every_factor_and_include_the_reported_hard_cases() -> No
     assert Cell(prompts="long", fleet=(4, 4), profile="h100-llama31-8b") in grid
 
 
+@pytest.mark.parametrize("seed", [2, 3, 4, 5])
+def test_held_out_cells_are_the_seeds_random_draws_and_none_of_the_fixed_ones(seed: int) -> None:
+    """`--held-out`: what the seed draws at random, nothing every seed shares (the base cell, each
+    factor varied from it, the reported hard cases), so a new seed is traffic not tuned to."""
+    held_out = cells(seed=seed, held_out=True)
+    shared = set(cells(seed=seed, extra=0))
+    assert held_out
+    assert not shared & set(held_out)
+    assert set(held_out) == set(cells(seed=seed)) - shared
+    assert set(held_out) != set(cells(seed=seed + 10, held_out=True))
+
+
 def test_capacity_grows_with_the_fleet_the_hardware_and_a_looser_target() -> None:
     small = capacity_rps(A100_CODELLAMA_34B, (1, 1), TRACE, 50.0)
     assert capacity_rps(A100_CODELLAMA_34B, (2, 2), TRACE, 50.0) == pytest.approx(2 * small)
