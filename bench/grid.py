@@ -97,7 +97,8 @@ def cells(quick: bool = False, extra: int = 12, seed: int = 0, *, held_out: bool
         for _ in range(extra)
     ]
     if held_out:
-        return list(dict.fromkeys(c for c in mixed if c not in {*varied, *reported}))
+        shared = {*varied, *reported}
+        return list(dict.fromkeys(c for c in mixed if c not in shared))
     unique: dict[Cell, None] = dict.fromkeys([*varied, *reported, *mixed])
     return list(unique)
 
