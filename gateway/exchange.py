@@ -13,7 +13,7 @@ exchanging every 50 ms met 1.6 points fewer SLOs than one, each counting its sha
 3.5: `specgate bench herd`; the shorter the interval, the less they lose under storms.)
 
 The cost is bounded: one pipelined write and read per interval, a summary of 8 bytes per field,
-14 fields per replica, with at most `gateways` summaries read. A summary older than `stale_s` (its
+16 fields per replica, with at most `gateways` summaries read. A summary older than `stale_s` (its
 gateway died, or its clock is off) is not counted; one a minute old is deleted by whoever finds it.
 While Redis is away, the others' rows are dropped once they are stale: each gateway falls back to
 counting its requests as its share of the fleet's (`workers.pools.Share`).

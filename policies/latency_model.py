@@ -257,8 +257,11 @@ class LatencyModel:
         joined = self._terms(pool, running + 1, context)
         joined_ms = scales.step_ms(joined)
         # What prefilling one prompt token costs the decoding batch, as the profile prices it: the
-        # rate of prompts is measured in real time, and the prefill scale brings it there.
-        per_token_ms = max(self._terms(pool, running + 1, context, prompt)[2], 0.0) / prompt
+        # rate of prompts is measured in real time, and the prefill scale brings it there. (The
+        # price of a whole quantum of prompt over its tokens: over the prompt's own few tokens, a
+        # 2-token prompt priced each token arriving at 16 times its cost.)
+        quanta = -(-prompt // CONTEXT_QUANTUM) * CONTEXT_QUANTUM
+        per_token_ms = max(self._terms(pool, running + 1, context, quanta)[2], 0.0) / quanta
         decode_tpot = joined_ms / tokens_per_step * factor
         lives = joined  # the batch it decodes in, over its life: the one it joins, but in a burst
         joining = 0.0

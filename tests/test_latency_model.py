@@ -406,6 +406,21 @@ def test_the_spread_of_tpots_is_learned_and_widens_the_chance() -> None:
     assert 0.1 < model.tpot_met_probability(noisy, target) < 0.5
 
 
+def test_a_short_prompt_prices_the_prompts_arriving_per_token_not_per_rounded_quantum() -> None:
+    """What a prompt token arriving costs the batch is priced from a whole quantum of prompt (32
+    tokens, so that nearby lengths share one price), over that quantum: a 2-token prompt's answer
+    was priced with the quantum's cost over its own 2 tokens, as if each token arriving cost 16
+    times what it does, and the gateway held such requests until their TTFT target passed."""
+    model = LatencyModel(H100_LLAMA31_8B)
+    state = idle(Pool.PLAIN, in_flight=8, arrivals_per_s=4.0, prefill_tokens_per_s=4.0 * 1000)
+    tiny, whole = (
+        model.predict(state, replace(FEATURES, prompt_tokens=n, expected_output_tokens=64, output_hinted=True))
+        for n in (2, 32)
+    )
+    assert tiny.stall_ms == pytest.approx(whole.stall_ms, rel=0.02)
+    assert tiny.tpot_ms == pytest.approx(whole.tpot_ms, rel=0.05)
+
+
 def test_the_tpot_factor_scales_the_decoding_not_the_stalls() -> None:
     """A factor learnt where the replica decodes 20% slower than its fitted steps say (or faster)
     scales a TPOT's decoding so, however busy the replica; the prompts' prefill that stalls it is

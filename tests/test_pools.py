@@ -236,9 +236,10 @@ def test_a_burst_of_prompts_shows_in_the_rate_at_once_for_as_long_as_it_lasts() 
         assert tokens == pytest.approx(2000.0, rel=0.1)
     burst = Replica("plain-1", "http://y", Pool.PLAIN, settings)
     slow = Replica("plain-2", "http://z", Pool.PLAIN, FleetSettings(rate_window_s=10.0, burst_window_s=10.0))
-    for i in range(20):  # 20 prompts in one second, after nothing
-        burst.dispatched_one(1000, now=100.0 + i * 0.05)
-        slow.dispatched_one(1000, now=100.0 + i * 0.05)
+    for replica in (burst, slow):  # one prompt, a minute's quiet, then 20 prompts in one second
+        replica.dispatched_one(1000, now=40.0)
+        for i in range(20):
+            replica.dispatched_one(1000, now=100.0 + i * 0.05)
     assert slow.state(101.0).prompt_rates(0.5)[0] < 2.0  # the ten-second window alone would lag far behind
     state = burst.state(101.0)
     assert state.burst is not None

@@ -51,6 +51,7 @@ def state(fleet: Fleet, url: str, now: float) -> dict[str, float]:
         "prefill_tokens": replica.prefill_tokens,
         "dispatched": replica.dispatched_since_scrape,
         "arrivals_per_s": replica.arrivals_per_s,
+        "prefill_tokens_per_s": replica.prefill_tokens_per_s,
     }
 
 
@@ -74,8 +75,9 @@ def test_each_process_sees_the_others_requests_as_its_own(counts_file: Path) -> 
     assert state(second, A, 100.1)["prefilling"] == 1
     on_a.finished(got_first_byte=True, prompt_tokens=500, now=100.2)
     on_a.finished(got_first_byte=False, prompt_tokens=300, now=100.2)
-    assert state(second, A, 100.2) | {"arrivals_per_s": 0} == {
+    assert state(second, A, 100.2) | {"arrivals_per_s": 0, "prefill_tokens_per_s": 0} == {
         "in_flight": 0, "prefilling": 0, "prefill_tokens": 0, "dispatched": 2, "arrivals_per_s": 0,
+        "prefill_tokens_per_s": 0,
     }  # fmt: skip
     scrape(second, 100.3)
     assert state(second, A, 100.3)["dispatched"] == 0  # a scrape after them shows them
@@ -255,14 +257,21 @@ def take(fleet: Fleet, summaries: dict[str, bytes], now: float, wall: float, mos
 def test_a_gateway_counts_the_other_gateways_requests_as_last_exchanged(tmp_path: Path) -> None:
     """The other gateways' processes' requests, summed, as one gateway sending them all would
     count them, their rates and request-seconds moved to this gateway's clock (another monotonic
-    origin) and to the moment each summary was taken."""
+    origin) and to the moment each summary was taken. (Rates as each process reads its own,
+    summed: each reads from its own first prompt, `rates.py`.)"""
     two = gateway(tmp_path, processes=2)
     (three,) = gateway(tmp_path)
     (mine,) = gateway(tmp_path)
     alone = Fleet({Pool.PLAIN: [A, B]}, SETTINGS)  # one gateway sending all their requests
-    for fleet, prompt, at in ((two[0], 500, 100.0), (two[1], 300, 100.0), (two[1], 200, 100.2), (three, 50, 100.3)):
+    sent = [(two[0], 500, 100.0), (two[1], 300, 100.0), (three, 50, 100.0), (two[1], 200, 100.2), (three, 70, 100.3)]
+    sent += [(fleet, 40 * i, 100.0 + 0.1 * i) for i in range(1, 8) for fleet in (two[0], two[1], three)]
+    for fleet, prompt, at in sent:
         by_url(fleet, A).dispatched_one(prompt, now=at)
         by_url(alone, A).dispatched_one(prompt, now=at)
+    for fleet in (two[0], two[1], three):
+        for i in range(1, 8):
+            by_url(fleet, A).first_byte(40 * i, now=100.9)
+            by_url(alone, A).first_byte(40 * i, now=100.9)
     by_url(two[0], A).first_byte(500, now=100.5)
     by_url(alone, A).first_byte(500, now=100.5)
     summaries = {  # taken at 101.0 and 101.1 on their clocks, 1_000_000.0 and .1 on the wall
@@ -272,11 +281,14 @@ def test_a_gateway_counts_the_other_gateways_requests_as_last_exchanged(tmp_path
     # read 0.2 s after the first was taken, by a gateway whose clock reads 5000 then
     assert take(mine, summaries, 5000.0, wall=1_000_000.2) == 2
     assert counts(mine).gateways_counted() == 2
-    seen, truth = state(mine, A, 5001.0), state(alone, A, 101.2 + 1.0)
-    assert (seen["in_flight"], seen["prefilling"], seen["prefill_tokens"]) == (4, 3, 550)
-    assert seen["arrivals_per_s"] == pytest.approx(truth["arrivals_per_s"], rel=1e-9)
+    seen = state(mine, A, 5001.0)
+    assert (seen["in_flight"], seen["prefilling"], seen["prefill_tokens"]) == (26, 4, 620)
+    each = [by_url(fleet, A).prompt_rates(101.2 + 1.0) for fleet in (two[0], two[1], three)]
+    assert seen["arrivals_per_s"] == pytest.approx(sum(prompts for prompts, _, _ in each), rel=1e-9)
+    assert seen["prefill_tokens_per_s"] == pytest.approx(sum(tokens for _, tokens, _ in each), rel=1e-9)
+    assert seen["arrivals_per_s"] == pytest.approx(state(alone, A, 101.2 + 1.0)["arrivals_per_s"], rel=0.25)
     stay = by_url(mine, A).dispatched_one(100, now=5000.0)
-    assert by_url(mine, A).request_seconds(5002.0) - stay.request_seconds == pytest.approx(10.0)  # 5 for 2 s
+    assert by_url(mine, A).request_seconds(5002.0) - stay.request_seconds == pytest.approx(54.0)  # 27 for 2 s
     assert state(mine, B, 5001.0)["in_flight"] == 0
     scrape(mine, 5001.0)
     assert mine.share.value == 1.0  # with every gateway counted, the fleet is seen whole: no share to divide by

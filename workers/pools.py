@@ -24,6 +24,7 @@ from specgate.workers import latency_fit
 from specgate.workers.acceptance import SpecCounters, decode_steps
 from specgate.workers.health import Health
 from specgate.workers.latency_fit import MAX_STALL_SHARE, LatencyFit, Priced
+from specgate.workers.rates import PromptRate
 from specgate.workers.scrape import MetricsFormatError, VllmLoad, parse_vllm_metrics
 from specgate.workers.shared import Others, SharedCounts, SharedSlot
 from specgate.workers.snapshot import Burst, ReplicaState, Snapshot
@@ -80,30 +81,6 @@ BURST_SIGNIFICANCE = 3.0
 """Standard deviations of chance by which a burst's prompts exceed the steady rate's
 (`Replica._is_burst`): a control chart's limit, tested at every arrival, so that steady random
 arrivals rarely set one off (2-8% of arrivals, against 11-22% at two deviations)."""
-
-
-@dataclass
-class _Rate:
-    """Prompts and their tokens sent to a replica: counts that decay with a time constant."""
-
-    window_s: float
-    prompts: float = 0.0
-    tokens: float = 0.0
-    at: float = 0.0
-
-    def add(self, tokens: int, now: float) -> None:
-        decay = self.decay(now)
-        self.prompts = self.prompts * decay + 1.0
-        self.tokens = self.tokens * decay + tokens
-        self.at = now
-
-    def decay(self, now: float) -> float:
-        return math.exp(-max(now - self.at, 0.0) / self.window_s)
-
-    def per_s(self, now: float) -> tuple[float, float]:
-        """Prompts and prompt tokens per second."""
-        scale = self.decay(now) / self.window_s
-        return self.prompts * scale, self.tokens * scale
 
 
 @dataclass
@@ -240,7 +217,7 @@ class Replica:
         """The step costs of its pool, re-fitted from the answers of all its replicas."""
         self.share = share if share is not None else Share(settings.share_window_s)
         """This gateway's share of the fleet's work (the fleet's, shared by all its replicas)."""
-        self._rates = (_Rate(self.settings.rate_window_s), _Rate(self.settings.burst_window_s))
+        self._rates = (PromptRate(self.settings.rate_window_s), PromptRate(self.settings.burst_window_s))
         self._burst_since: float | None = None
         """Since when its prompts come faster than the longer window shows; None when they do not."""
         self._burst_before = (0.0, 0.0)
@@ -340,7 +317,7 @@ class Replica:
 
     def _publish(self) -> None:
         if self.shared is not None:
-            rates = tuple((r.prompts, r.tokens, r.at) for r in self._rates)
+            rates = tuple(r.words() for r in self._rates)
             self.shared.publish(self.in_flight, self.prefilling, self.prefill_tokens, self.dispatched, self.sent, rates,
                                 self._requests)  # fmt: skip
 

@@ -45,15 +45,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specgate.workers.rates import as_counts, per_s
+
 SLOTS = 256
 """Slots of a row: the first holds the row's generation, the others one replica each."""
-FIELDS = 14
+FIELDS = 16
 # The fields of a slot, in 8-byte words: its key (a signed 64-bit hash of the URL, 0 when free),
 # then floats.
 _IN_FLIGHT, _PREFILLING, _PREFILL_TOKENS, _DISPATCHED, _SENT = range(1, 6)
 _RATES = 6
-"""Two decaying rates (window, burst) of three words each: prompts, tokens, and when they were last added to."""
-_REQUEST_SECONDS = 12
+"""Two decaying rates (window, burst) of `_RATE_WORDS` each: prompts and tokens counted, when they
+were last added to, and how long their prompts had been coming then (`rates.py`)."""
+_RATE_WORDS = 4
+_REQUEST_SECONDS = _RATES + 2 * _RATE_WORDS
 """The requests in flight integrated over time until a moment, and that moment."""
 
 
@@ -78,7 +82,7 @@ def key_of(text: str) -> int:
     return key or 1
 
 
-_MAGIC = 0x5347_4333  # a summary's first word: "SGC3" (its fits of five terms, its requests held)
+_MAGIC = 0x5347_4334  # a summary's first word: "SGC4" (its rates' times seen, fits of five terms, requests held)
 _HEADER = 4
 """A summary's words before its fits: the magic, when it was taken (Unix seconds), its replicas,
 the requests its gateway holds that can still meet their targets."""
@@ -280,7 +284,7 @@ class SharedCounts:
             base = found * FIELDS
             self.words[base + 1 : base + FIELDS] = array("d", fields[1:])
             for i in range(2):
-                self.words[base + _RATES + 3 * i + 2] = now
+                self.words[base + _RATES + _RATE_WORDS * i + 2] = now
             self.words[base + _REQUEST_SECONDS + 1] = now
             self.keys[base] = key  # last: a reader finds it only once it is written
         self.words[start * FIELDS + _GATEWAYS] = counted
@@ -334,7 +338,7 @@ class SharedSlot:
 
     def publish(
         self, in_flight: int, prefilling: int, prefill_tokens: int, dispatched: int, sent: int,
-        rates: tuple[tuple[float, float, float], ...], request_seconds: tuple[float, float],
+        rates: tuple[tuple[float, float, float, float], ...], request_seconds: tuple[float, float],
     ) -> None:  # fmt: skip
         words, base = self.counts.words, self.base
         words[base + _REQUEST_SECONDS], words[base + _REQUEST_SECONDS + 1] = request_seconds
@@ -343,9 +347,9 @@ class SharedSlot:
         words[base + _PREFILL_TOKENS] = prefill_tokens
         words[base + _DISPATCHED] = dispatched
         words[base + _SENT] = sent
-        for i, (prompts, tokens, at) in enumerate(rates):
-            at_word = base + _RATES + 3 * i
-            words[at_word], words[at_word + 1], words[at_word + 2] = prompts, tokens, at
+        for i, rate in enumerate(rates):
+            at_word = base + _RATES + _RATE_WORDS * i
+            words[at_word : at_word + _RATE_WORDS] = array("d", rate)
 
     def others(self, now: float, windows: tuple[float, ...]) -> Others:
         """The other processes' counts on this replica now, their rates decayed to `now`
@@ -372,10 +376,11 @@ class SharedSlot:
             since = max(now - words[base + _REQUEST_SECONDS + 1], 0.0)
             out.request_seconds += words[base + _REQUEST_SECONDS] + words[base + _IN_FLIGHT] * since
             for i, window in enumerate(windows):
-                at_word = base + _RATES + 3 * i
-                scale = math.exp(-max(now - words[at_word + 2], 0.0) / window) / window
-                rates[i][0] += words[at_word] * scale
-                rates[i][1] += words[at_word + 1] * scale
+                at_word = base + _RATES + _RATE_WORDS * i
+                counted, counted_tokens, at, seen = words[at_word : at_word + _RATE_WORDS]
+                prompts, tokens = per_s(counted, counted_tokens, at, seen, window, now)
+                rates[i][0] += prompts
+                rates[i][1] += tokens
         out.rates = tuple((prompts, tokens) for prompts, tokens in rates)
         return out
 
@@ -440,14 +445,20 @@ class SharedFit:
 
 def _add_slot(into: list[float], words: memoryview[float], base: int, windows: tuple[float, ...], now: float) -> None:
     """The slot at `base` of `words` added to `into`: its counts, and its rates and request-seconds
-    brought to `now` (on the clock its times are on)."""
+    brought to `now` (on the clock its times are on). `into`'s times are 0, `now`: its rates are
+    counts that read as the rates summed, over the longest time seen of theirs (`rates.as_counts`)."""
     for field in range(_IN_FLIGHT, _RATES):
         into[field] += words[base + field]
     for i, window in enumerate(windows):
-        at_word = base + _RATES + 3 * i
-        keep = math.exp(-max(now - words[at_word + 2], 0.0) / window)
-        into[_RATES + 3 * i] += words[at_word] * keep
-        into[_RATES + 3 * i + 1] += words[at_word + 1] * keep
+        at_word, into_word = base + _RATES + _RATE_WORDS * i, _RATES + _RATE_WORDS * i
+        prompts, tokens, at, seen = words[at_word : at_word + _RATE_WORDS]
+        if prompts == tokens == seen == 0.0:
+            continue  # (no prompt yet, or only the first: nothing counted, no time seen)
+        added = per_s(prompts, tokens, at, seen, window, now)
+        summed = per_s(into[into_word], into[into_word + 1], 0.0, into[into_word + 3], window, 0.0)
+        longest = max(into[into_word + 3], seen + max(now - at, 0.0))
+        into[into_word : into_word + 2] = list(as_counts(added[0] + summed[0], added[1] + summed[1], longest, window))
+        into[into_word + 3] = longest
     since = max(now - words[base + _REQUEST_SECONDS + 1], 0.0)
     into[_REQUEST_SECONDS] += words[base + _REQUEST_SECONDS] + words[base + _IN_FLIGHT] * since
 
