@@ -152,13 +152,14 @@ def _add_grid(commands: Subcommands) -> None:
     p.add_argument("--code", type=Path, default=AZURE / "AzureLLMInferenceTrace_code.csv")
     p.add_argument("--loads", type=float_list, default=(0.25, 0.5, 1.0, 2.0, 4.0), help="x the fleet's capacity")
     p.add_argument("--requests", type=positive_int, default=400, help="requests per run")
-    p.add_argument("--quick", action="store_true", help="three cells: a smoke test in seconds")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true", help="three cells: a smoke test in seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--steady", action="store_true",
         help="each run's requests kept up (three times back to back, the middle counted), not from an idle fleet",
     )  # fmt: skip
-    p.add_argument(
+    which.add_argument(
         "--held-out", action="store_true",
         help="only the cells drawn at random for --seed: with a seed other than the development ones (0, 1), "
         "traffic, fleets and SLOs the policy was not tuned to, in a minute or two",

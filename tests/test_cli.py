@@ -28,6 +28,7 @@ def test_unknown_profile_is_a_clear_error(capsys: pytest.CaptureFixture[str]) ->
         ["sim", "--time-scale", "0"],
         ["sim", "--acceptance", "1.5"],
         ["sim", "--max-num-seqs", "0"],
+        ["bench", "grid", "--quick", "--held-out", "--seed", "3"],  # (the quick cells are not a seed's draws)
         [],
     ],
 )
