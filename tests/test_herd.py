@@ -91,8 +91,8 @@ def _met(gateways: int, counting: str) -> float:
 def test_gateways_on_shared_counts_route_as_one() -> None:
     """Three gateways that count each other's requests as they are sent, fit from each other's
     answers and move one set of correction factors (as the processes of one gateway do) meet
-    about what one gateway meets (their decisions differ: 0.610 against 0.608 over the eight
-    seeds); counting only their own, far less (0.389)."""
+    about what one gateway meets (their decisions differ: 0.625 against 0.632 over the eight
+    seeds); counting only their own, far less (0.364)."""
     one = _met(1, "share")
     assert _met(3, "shared") >= one - 0.01, (_met(3, "shared"), one)
     assert _met(3, "own") < one - 0.05, (_met(3, "own"), one)
@@ -102,8 +102,8 @@ def test_gateways_on_shared_counts_route_as_one() -> None:
 def test_gateways_exchanging_their_counts_route_nearly_as_one() -> None:
     """Three separate gateways exchanging their counts, fits and factors every 50 ms (as through
     the policy's Redis) meet about what one gateway meets, about what counting their share does;
-    counting only their own, far less. Over the eight seeds one gateway meets 0.608, three
-    exchanging 0.585, three counting their share 0.588, their own 0.389."""
+    counting only their own, far less. Over the eight seeds one gateway meets 0.632, three
+    exchanging 0.620, three counting their share 0.585, their own 0.364."""
     one = _met(1, "share")
     exchanged, share, own = (_met(3, counting) for counting in ("exchange", "share", "own"))
     assert abs(exchanged - one) <= 0.035, (exchanged, one)
