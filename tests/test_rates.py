@@ -22,7 +22,7 @@ def poisson(rate: PromptRate, rnd: random.Random, arrivals_per_s: float, since: 
 
 
 def plain(rate: PromptRate, now: float) -> float:
-    """What the decaying count alone reads: its prompts over the time constant."""
+    """What the decaying count alone reads (bar the first prompt): its prompts over the time constant."""
     return rate.prompts * math.exp(-(now - rate.at) / rate.window_s) / rate.window_s
 
 
@@ -69,7 +69,7 @@ def test_counts_written_back_read_as_the_rates_they_were_made_from_then_decay_as
     poisson(one, random.Random(2), 3.0, 0.0, 8.0)
     poisson(other, random.Random(3), 5.0, 0.0, 8.0)
     summed = [a + b for a, b in zip(one.per_s(8.0), other.per_s(8.0), strict=True)]
-    seen = 8.0 - 0.0  # (both began at once, near 0)
+    seen = max(rate.seen_s + 8.0 - rate.at for rate in (one, other))  # (the longer of their times seen)
     prompts, tokens = as_counts(summed[0], summed[1], seen, WINDOW_S)
     assert per_s(prompts, tokens, 8.0, seen, WINDOW_S, 8.0) == pytest.approx(summed)
     later = per_s(prompts, tokens, 8.0, seen, WINDOW_S, 9.5)
