@@ -352,7 +352,7 @@ class SharedSlot:
             words[at_word : at_word + _RATE_WORDS] = array("d", rate)
 
     def others(self, now: float, windows: tuple[float, ...]) -> Others:
-        """The other processes' counts on this replica now, their rates decayed to `now`
+        """The other processes' counts on this replica now, their rates read at `now`
         (seconds on the monotonic clock, which all processes of one machine share)."""
         counts, words, keys = self.counts, self.counts.words, self.counts.keys
         out = Others()
