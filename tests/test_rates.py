@@ -12,13 +12,11 @@ from specgate.workers.rates import PromptRate, as_counts, per_s
 WINDOW_S = 10.0
 
 
-def poisson(rate: PromptRate, rnd: random.Random, arrivals_per_s: float, since: float, until: float) -> int:
-    """Prompts of 100 tokens at random at `arrivals_per_s` from `since` to `until`; how many."""
-    now, sent = since, 0
+def poisson(rate: PromptRate, rnd: random.Random, arrivals_per_s: float, since: float, until: float) -> None:
+    """Prompts of 100 tokens at random at `arrivals_per_s` from `since` to `until`."""
+    now = since
     while (now := now + rnd.expovariate(arrivals_per_s)) < until:
         rate.add(100, now)
-        sent += 1
-    return sent
 
 
 def plain(rate: PromptRate, now: float) -> float:

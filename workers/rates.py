@@ -11,8 +11,8 @@ After several τ this is the plain decaying rate again. A silence after the prom
 and counted as one: what a storm after a quiet minute is, the burst windows tell (`pools.py`).
 
 The counts of several processes and gateways are summed as rates and written back as one count
-that reads, over the longest time seen of theirs, as their sum (`combined`): exact when written,
-and near it for the fraction of a second until the next summing.
+that reads, over the longest time seen of theirs, as their sum (`as_counts`; the summing is
+`shared.py`'s): exact when written, and near it for the fraction of a second until the next.
 """
 
 from __future__ import annotations
