@@ -531,17 +531,22 @@ def test_the_batch_grows_no_further_than_the_engine_runs_at_once() -> None:
 
 
 def test_the_tpot_factor_learns_what_the_model_misses_not_what_the_forecast_did() -> None:
-    """Answers that decoded beside the batch they were priced at, 30% slower than predicted, move
-    the TPOT factor to 1.3; answers that found three times the requests the prediction took them
-    to (a storm that outlasted its forecast) do not move it, for it would multiply every later
-    prediction, at whatever batch, but they count in how far the TPOTs spread."""
+    """Answers 30% slower than their decoding priced at the batch they decoded beside move the
+    TPOT factor to 1.3, whether that batch was the one they were priced at or twenty times it (a
+    storm that outlasted its forecast): a factor learning the crowded answers against the batch
+    they joined would multiply every later prediction, at whatever batch, by the storm. Their
+    forecast's miss counts in how far the TPOTs spread."""
     model = LatencyModel(H100_LLAMA31_8B)
     priced = model.predict(idle(Pool.PLAIN, in_flight=4), FEATURES).terms
-    tpot = predicted_ms(Scales(), priced.tpot)
+    at_hundred = model.predict(idle(Pool.PLAIN, in_flight=99), FEATURES).terms
+    tpot, crowded_tpot = predicted_ms(Scales(), priced.tpot), predicted_ms(Scales(), at_hundred.tpot)
+    assert crowded_tpot > tpot * 1.5  # the batch that grew costs the decoding more
+    assert predicted_ms(Scales(), priced.tpot_over(100.0)) == pytest.approx(crowded_tpot, rel=0.01)
+    assert priced.tpot_over(5.0) == priced.tpot
     as_priced, crowded = LatencyFit(), LatencyFit()
     for _ in range(200):
         as_priced.observe(None, tpot * 1.3, priced, in_flight=5.0)
-        crowded.observe(None, tpot * 3.0, priced, in_flight=15.0)
+        crowded.observe(None, crowded_tpot * 1.3, priced, in_flight=100.0)
     assert as_priced.scales.tpot_factor == pytest.approx(1.3, rel=0.02)
-    assert crowded.scales.tpot_factor == 1.0
-    assert crowded.scales.tpot_spread > 0.4
+    assert crowded.scales.tpot_factor == pytest.approx(1.3, rel=0.03)
+    assert crowded.scales.tpot_spread > as_priced.scales.tpot_spread + 0.1

@@ -31,18 +31,20 @@ what the fit said before cannot feed back into what it learns next.
 
 What the steps so fitted still miss of the TTFT and TPOT the pool's requests see is kept as a
 smoothed ratio per kind (`Scales.ttft_factor`, `tpot_factor`): the model's picture of a replica is
-not the replica (a queue it does not time, a batch that is not the one priced, a crowded KV
-cache), and that error is not the step costs'. The TPOT factor scales a TPOT's decoding, not the
-stalls that arriving prompts' prefill adds to it (`Priced.stalls_ms`, priced by the fitted prefill
-scale); it is fitted to the whole TPOT as predicted, stalls and all. The TTFT factor learns from
-every answer; the TPOT factor only from answers that decoded beside about the batch their
-prediction took (its growth in a burst included): one that found twice or half as many requests
-is the forecast's miss (a storm that outlasted it, a cold start), which the factor would carry
-into every later prediction. How far the TPOTs spread about their predictions as made is kept
-too (`Scales.tpot_spread`): the replica's own noise and what the forecast of the arriving prompts
-missed (a storm that went on longer, or ended sooner, than it had lasted), which the chance of
-meeting a TPOT target must allow for; so a request far inside its target is sent however
-uncertain the forecast, and one at its edge is not.
+not the replica (a queue it does not time, a crowded KV cache), and that error is not the step
+costs'. The TPOT factor scales a TPOT's decoding, not the stalls that arriving prompts' prefill
+adds to it (`Priced.stalls_ms`, priced by the fitted prefill scale); it is fitted to the whole
+TPOT, stalls and all. Both learn from every answer, the TPOT factor against the answer's decoding
+re-priced at the batch it really decoded beside (the mean of the gateway's requests on its
+replica over its life, as the step fit takes it): a batch other than the one the prediction took
+(a storm that outlasted its forecast, a cold start) is the forecast's miss, which the factor
+would carry into every later prediction, at whatever batch. Leaving such answers out instead
+leaves out mostly those whose batch grew (a batch of one can grow tenfold, but shrink by one at
+most) and biases the factor low. How far the TPOTs spread about their predictions as made is
+kept too (`Scales.tpot_spread`): the replica's own noise and what the forecast of the batch and
+of the arriving prompts missed (a storm that went on longer, or ended sooner, than it had
+lasted), which the chance of meeting a TPOT target must allow for; so a request far inside its
+target is sent however uncertain the forecast, and one at its edge is not.
 """
 
 from __future__ import annotations
@@ -85,9 +87,6 @@ its TPOT spreads by the replica's own noise, not by how many prompts happened to
 SPREAD_MIN_ANSWERS = 10.0
 """Quiet answers (by their decayed weight) before their spread is taken as the replica's."""
 MAX_SPREAD = 0.5
-SETTLED_GROWTH = 2.0
-"""An answer whose replica carried more than this many times the requests its prediction took
-(or fewer than its inverse), on average over its life, does not move the TPOT factor."""
 _MAX_FACTOR_STEP = math.log(2.0)
 """One answer moves a factor as if it were at most twice or half its prediction: one request
 stuck behind a preemption cannot wreck it."""
@@ -132,6 +131,17 @@ class Priced:
             return self.step
         fixed, decode, prefill, overhead, wait = self.step
         return fixed, decode + (in_flight - 1 - self.in_flight) * self.per_sequence, prefill, overhead, wait
+
+    def tpot_over(self, in_flight: float | None) -> Terms:
+        """Its TPOT's decoding at the batch it really decoded beside (`in_flight`, as `step_over`
+        takes it) instead of the one its prediction took (the batch it joined, grown by those
+        expected to join it). A TPOT's terms are its steps' over the tokens a step emits, times
+        the gaps they pace: the fixed term, the same at any batch, gives that ratio."""
+        if in_flight is None or self.step[0] <= 0:
+            return self.tpot
+        fixed, decode, prefill, overhead, wait = self.tpot
+        beyond = in_flight - (self.in_flight + 1 + self.joining)
+        return fixed, max(decode + beyond * self.per_sequence * fixed / self.step[0], 0.0), prefill, overhead, wait
 
 
 def predicted_ms(scales: Scales, terms: Terms) -> float:
@@ -299,15 +309,12 @@ class LatencyFit:
         # bounded step. The error it follows changes with the load, so every process of the
         # gateway moves the same factors, one answer after another (`SharedFit`).
         low, high = CORRECTION_RANGE
-        # A TPOT over a batch that was not the one priced (twice or half the requests the forecast
-        # took it to decode beside) is the forecast's miss, which its spread takes up (a storm
-        # that lasted longer than it had, or ended sooner), not the model's: the factor, which
-        # multiplies every prediction after it, whatever the batch, does not learn it.
-        settled = in_flight is None or self._as_forecast(in_flight, priced)
+        # A TPOT over a batch that was not the one priced is partly the forecast's miss (a storm
+        # that lasted longer than it had, or ended sooner), which the spread takes up: the factor,
+        # which multiplies every prediction after it, whatever the batch, learns the answer
+        # against its decoding at the batch it decoded beside.
         for kind, seen in measured.items():
-            if kind == "tpot" and not settled:
-                continue
-            predicted = self._as_made(kind, priced, factors[kind])
+            predicted = self._as_made(kind, priced, factors[kind], in_flight)
             step = max(-_MAX_FACTOR_STEP, min(_MAX_FACTOR_STEP, math.log(seen / predicted)))
             factors[kind] = min(max(factors[kind] * math.exp(self._smoothing * step), low), high)
         self.scales = replace(
@@ -317,19 +324,13 @@ class LatencyFit:
         if self.shared is not None and self.basis is not None:
             self.shared.publish_factors(self.basis, factors["ttft"], factors["tpot"], self._factors_stamp)
 
-    def _as_made(self, kind: str, priced: Priced, factor: float) -> float:
+    def _as_made(self, kind: str, priced: Priced, factor: float, in_flight: float | None = None) -> float:
         """A TTFT or TPOT as the fitted steps now price it and `factor` corrects it: all of a
-        TTFT; of a TPOT, its decoding, and its stalls as predicted."""
+        TTFT; of a TPOT, its decoding (at the batch it decoded beside, given `in_flight`), and
+        its stalls as predicted."""
         if kind == "ttft":
             return predicted_ms(self.scales, priced.ttft) * factor
-        return predicted_ms(self.scales, priced.tpot) * factor + priced.stalls_ms
-
-    @staticmethod
-    def _as_forecast(in_flight: float, priced: Priced) -> bool:
-        """Whether the requests on its replica over its life (`in_flight`, the mean) were about as
-        many as the prediction took them to be."""
-        expected = priced.in_flight + 1 + priced.joining
-        return 1 / SETTLED_GROWTH <= in_flight / expected <= SETTLED_GROWTH
+        return predicted_ms(self.scales, priced.tpot_over(in_flight)) * factor + priced.stalls_ms
 
     def _fit(self, measured: list[tuple[float, Terms]]) -> None:
         """Fit the answer's equations: each relative to its prediction, the measurement bounded."""
