@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -189,15 +190,23 @@ def test_prompts_past_the_context_window_are_refused_as_vllm_does_and_counted() 
 
 
 def test_under_overload_the_adaptive_policy_holds_and_refuses_instead_of_queueing_everyone_late() -> None:
-    # 1+1 replicas, a request every 75 ms: about four times what they serve within the SLOs
-    trace = [TraceRequest(i * 0.075, 1000, 150) for i in range(300)]
-    runs = {
-        policy: simulate(trace, Scenario(A100_CODELLAMA_34B, Fleetspec(1, 1), policy, 2000.0, 50.0))
-        for policy in ("adaptive", "least-loaded", "adaptive:admission.enabled=false")
-    }
-    held, fixed, unheld = (runs[p].summary() for p in runs)
-    assert held["slo_attainment"] > fixed["slo_attainment"] + 0.1
-    assert held["slo_attainment"] > unheld["slo_attainment"] + 0.1
+    # 1+1 replicas, a request every 60-100 ms: three to five times what they serve within the
+    # SLOs. Holding the requests the replicas cannot serve in time meets SLOs where queueing every
+    # one there meets almost none: on average over several such overloads (one run moves by
+    # several points with what the fit happens to learn first).
+    policies = ("adaptive", "least-loaded", "adaptive:admission.enabled=false")
+    met: dict[str, list[float]] = {policy: [] for policy in policies}
+    runs = {}
+    for gap_s, output in ((0.06, 100), (0.09, 300), (0.1, 150), (0.075, 150)):  # the last checked whole, below
+        trace = [TraceRequest(i * gap_s, 1000, output) for i in range(300)]
+        runs = {policy: simulate(trace, Scenario(A100_CODELLAMA_34B, Fleetspec(1, 1), policy, 2000.0, 50.0))
+                for policy in policies}  # fmt: skip
+        for policy, run in runs.items():
+            met[policy].append(run.summary()["slo_attainment"])
+    held_met, fixed_met, unheld_met = (statistics.fmean(met[policy]) for policy in policies)
+    assert held_met > fixed_met + 0.1
+    assert held_met > unheld_met + 0.1
+    held, fixed = runs["adaptive"].summary(), runs["least-loaded"].summary()
     # nobody waits much past three times the TTFT target (the last dispatches land on predictions)
     assert held["ttft_p99_ms"] < 1.1 * 3 * 2000.0 < fixed["ttft_p99_ms"]
     assert set(runs["adaptive"].refused) <= {"deadline", "queue-full"}
