@@ -135,8 +135,8 @@ class Priced:
     def tpot_over(self, in_flight: float | None) -> Terms:
         """Its TPOT's decoding at the batch it really decoded beside (`in_flight`, as `step_over`
         takes it) instead of the one its prediction took (the batch it joined, grown by those
-        expected to join it). A TPOT's terms are its steps' over the tokens a step emits, times
-        the gaps they pace: the fixed term, the same at any batch, gives that ratio."""
+        expected to join it). A TPOT's terms are its step's over the tokens a step emits: the
+        fixed term, the same at any batch, gives that ratio."""
         if in_flight is None or self.step[0] <= 0:
             return self.tpot
         fixed, decode, prefill, overhead, wait = self.tpot
