@@ -17,6 +17,7 @@ import asyncio
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
@@ -27,7 +28,7 @@ from specgate.gateway.config import Timeouts
 from specgate.gateway.connections import ConnectFailed, Connections, UpstreamError, UpstreamResponse
 from specgate.gateway.continuation import ClientStream, Continuation, count_tokens, shutting_down
 from specgate.gateway.errors import GatewayError, UpstreamBusy, UpstreamTimeout, UpstreamUnavailable
-from specgate.gateway.journey import Journey, hop_by_hop
+from specgate.gateway.journey import Journey, handler_task, hop_by_hop
 from specgate.gateway.sla import REQUEST_ID
 from specgate.policies.decision import Decision
 from specgate.policies.length import LengthStats
@@ -138,7 +139,7 @@ class Attempt:
         self.outcome.stay = replica.dispatched_one(prompt, self.started, stream=stream)
         if not stream:  # its first token is not seen: it began, as far as the gateway knows, when sent
             self.lengths.start(self.journey.length, self.started)
-        watchdog = Watchdog(self.timeouts.first_byte_s, self.timeouts.idle_s)
+        watchdog = Watchdog(self.timeouts.first_byte_s, self.timeouts.idle_s, handler_task(self.journey.request))
         replica.waiting.add(watchdog.fire)  # ejected meanwhile (hung, say): go elsewhere
         try:
             try:
@@ -401,13 +402,14 @@ class Watchdog:
     client (a silence then is the client's, who stopped reading).
     """
 
-    def __init__(self, first_byte_s: float, idle_s: float) -> None:
+    def __init__(self, first_byte_s: float, idle_s: float, task: asyncio.Task[Any]) -> None:
+        """Watching for the attempt run by `task` (the request's handler), which it cancels."""
         self.idle_s = idle_s
         self.last = time.monotonic()
         self.writing = False
         self._fired = False
-        self._task = asyncio.current_task()
-        self._loop = asyncio.get_running_loop()
+        self._task = task
+        self._loop = task.get_loop()
         self._timer = self._loop.call_later(first_byte_s, self.fire)
 
     def started(self) -> None:
@@ -426,13 +428,13 @@ class Watchdog:
     def fire(self) -> None:
         """Give up on the upstream now, as if it had stayed silent too long (from another task, or a
         timer: a task reporting its own failure is already giving up)."""
-        if self._task is not None and not self._fired and asyncio.current_task() is not self._task:
+        if not self._fired and asyncio.current_task(self._loop) is not self._task:
             self._fired = True
             self._task.cancel()
 
     def absorb(self) -> bool:
         """After a CancelledError: True when the watchdog caused it (the task then goes on)."""
-        if not self._fired or self._task is None:
+        if not self._fired:
             return False
         self._fired = False
         self._task.uncancel()

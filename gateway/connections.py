@@ -48,9 +48,10 @@ _Key = tuple[str, str, int]
 class _Connection(asyncio.Protocol):
     """One connection, carrying one exchange at a time; `httptools` calls its `on_*` methods."""
 
-    def __init__(self, owner: Connections, key: _Key) -> None:
+    def __init__(self, owner: Connections, key: _Key, loop: asyncio.AbstractEventLoop) -> None:
         self.owner = owner
         self.key = key
+        self.loop = loop
         self.pool: list[_Connection] | None = None
         """The idle connections to its host it is kept among, while it is."""
         self.transport: asyncio.Transport | None = None
@@ -148,6 +149,7 @@ class UpstreamResponse:
 
     def __init__(self, connection: _Connection) -> None:
         self._connection: _Connection | None = connection
+        self._loop = connection.loop  # (asking asyncio for the running loop costs a system call)
         self.status = 0
         self.raw_headers: list[tuple[str, str]] = []
         self._headers: CIMultiDictProxy[str] | None = None
@@ -216,7 +218,7 @@ class UpstreamResponse:
             waiter.set_result(None)
 
     async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._loop.create_future()
         await self._waiter
 
     # read by the relay
@@ -328,7 +330,7 @@ class Connections:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, connection = await loop.create_connection(lambda: _Connection(self, key), host, port, ssl=tls)
+                _, connection = await loop.create_connection(lambda: _Connection(self, key, loop), host, port, ssl=tls)
         except (OSError, TimeoutError, ssl.SSLError) as exc:
             raise ConnectFailed(f"cannot connect to {host}:{port}: {exc!r}") from None
         return connection

@@ -7,9 +7,11 @@ the headers it is sent upstream with, and the replicas tried so far.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -64,6 +66,17 @@ DECODED = frozenset({"content-encoding"})
 """The body is forwarded as aiohttp decoded it: its encoding no longer applies."""
 _NOT_FORWARDED = DECODED | {REQUEST_ID, "x-forwarded-for"}
 """Replaced by the gateway's own."""
+
+
+def handler_task(request: web.Request) -> asyncio.Task[Any]:
+    """The task running `request`'s handler (aiohttp runs each in one of its own: `request.task` is
+    the connection's). Looked up on the connection's loop: on Python 3.11 asyncio's own look-up of
+    the running loop makes a getpid system call, and a few of those cost a request more than its
+    routing decision."""
+    task = asyncio.current_task(request.task.get_loop())
+    if task is None:  # pragma: no cover - aiohttp runs every handler in a task
+        raise RuntimeError("a request handler runs in a task")
+    return task
 
 
 def hop_by_hop(headers: CIMultiDictProxy[str], also: frozenset[str] = frozenset()) -> frozenset[str]:

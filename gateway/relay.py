@@ -43,7 +43,7 @@ from specgate.gateway.errors import (
     UnsupportedMediaType,
 )
 from specgate.gateway.feedback import Feedback
-from specgate.gateway.journey import Journey, upstream_headers
+from specgate.gateway.journey import Journey, handler_task, upstream_headers
 from specgate.gateway.metrics import GatewayMetrics
 from specgate.gateway.sla import parse_routing_headers
 from specgate.gateway.tracing import TRACEPARENT, Span, Tracer
@@ -116,9 +116,7 @@ class Relay:
             await asyncio.wait(set(self._handlers), timeout=farewell_s)
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        task = asyncio.current_task()
-        if task is None:  # pragma: no cover - aiohttp runs every handler in a task
-            raise RuntimeError("a request handler runs in a task")
+        task = handler_task(request)
         self._handlers.add(task)
         try:
             return await self._handle(request, endpoint)
@@ -164,10 +162,12 @@ class Relay:
         if request.content_length is not None and request.content_length > limit:
             raise BodyTooLarge(f"request body exceeds {limit} bytes")  # at once: not after reading it
         # A body already whole (the common case: it came with the headers) arms no timer.
-        wait_s = None if request.content.is_eof() else self.settings.limits.body_timeout_s
         try:
-            async with asyncio.timeout(wait_s):
+            if request.content.is_eof():
                 raw = await request.read()
+            else:
+                async with asyncio.timeout(self.settings.limits.body_timeout_s):
+                    raw = await request.read()
         except TimeoutError:
             raise BodyTimeout(
                 f"the request body did not arrive within {self.settings.limits.body_timeout_s:g} s"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable
 
 from aiohttp import web
@@ -36,6 +37,9 @@ async def serve_until_cancelled(
         # once, and a dropped SYN costs the client a one-second retransmit.
         site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port or None)
         await site.start()
+        # What was built to serve (modules, profiles, tables, the app) lives as long as the server:
+        # moved out of the collector's sight, a full collection walks only what requests left.
+        gc.freeze()
         bound_host, bound_port = runner.addresses[0][:2]
         if on_ready is not None:
             on_ready(
