@@ -149,7 +149,7 @@ class UpstreamResponse:
 
     def __init__(self, connection: _Connection) -> None:
         self._connection: _Connection | None = connection
-        self._loop = connection.loop  # (asking asyncio for the running loop costs a system call)
+        self._loop = connection.loop  # (asyncio's look-up of it is a system call on Python 3.11)
         self.status = 0
         self.raw_headers: list[tuple[str, str]] = []
         self._headers: CIMultiDictProxy[str] | None = None

@@ -71,8 +71,8 @@ _NOT_FORWARDED = DECODED | {REQUEST_ID, "x-forwarded-for"}
 def handler_task(request: web.Request) -> asyncio.Task[Any]:
     """The task running `request`'s handler (aiohttp runs each in one of its own: `request.task` is
     the connection's). Looked up on the connection's loop: on Python 3.11 asyncio's own look-up of
-    the running loop makes a getpid system call, and a few of those cost a request more than its
-    routing decision."""
+    the running loop makes a getpid system call, and the few a request made cost about as much as
+    its routing decision."""
     task = asyncio.current_task(request.task.get_loop())
     if task is None:  # pragma: no cover - aiohttp runs every handler in a task
         raise RuntimeError("a request handler runs in a task")
