@@ -39,8 +39,6 @@ async def serve_until_cancelled(
         await site.start()
         # What was built to serve (modules, profiles, tables, the app) lives as long as the server:
         # moved out of the collector's sight, a full collection walks only what requests left.
-        # (Collected first: garbage frozen would never be freed.)
-        gc.collect()
         gc.freeze()
         bound_host, bound_port = runner.addresses[0][:2]
         if on_ready is not None:
