@@ -11,10 +11,10 @@ fleets of the same size. Per point, the margin is the adaptive policy's SLO atta
 best fixed rule's on the same fleet.
 
 A run is the cell's window of requests, from an idle fleet (the default), or, `steady`, that window
-kept up (`bench.offline.steady`: three times back to back, the middle one counted). On a fast fleet
-a few hundred requests at twice its capacity arrive within two seconds and are all still running
-when the last arrives: alone, the window measures a burst on a cold fleet, not a load, and kept up
-the same load can rank the policies otherwise.
+kept up (`bench.offline.steady`: back to back, the second round counted while the rounds after
+it keep coming). On a fast fleet a few hundred requests at twice its capacity arrive within two
+seconds and are all still running when the last arrives: alone, the window measures a burst on a
+cold fleet, not a load, and kept up the same load can rank the policies otherwise.
 
 The cells: a base configuration, every factor varied from it one at a time, the configurations
 reported as hard for the adaptive policy, and random combinations of all factors.
@@ -251,7 +251,7 @@ def report(results: dict[str, object], command: str, worst: int = 15) -> str:
     adaptive = statistics.fmean(float(p["attainment"][ADAPTIVE]) for p in pts)  # type: ignore[index]
     best = statistics.fmean(float(p["attainment"][p["best_fixed"]]) for p in pts)  # type: ignore[index]
     singles = {f: statistics.fmean(float(p["attainment"][f]) for p in pts) for f in FIXED}  # type: ignore[index]
-    window = "kept up (three times back to back, the middle counted)" if results.get("steady") else "from an idle fleet"
+    window = "kept up (back to back, the second round counted)" if results.get("steady") else "from an idle fleet"
     drawn = " (held out: only the cells drawn at random for the seed)" if results.get("held_out") else ""
     lines = [
         "# The grid: adaptive against every fixed rule",

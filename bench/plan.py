@@ -46,7 +46,7 @@ class PlanSettings:
     splits: Sequence[int] = field(default=())
     """Speculative replicas of each split to simulate; empty: every one from 0 to `replicas`."""
     warm_up: bool = False
-    """Replay the trace three times and report the middle round (`offline.warmed`): a short stretch
+    """Replay the trace back to back and report the second round (`offline.warmed`): a short stretch
     of traffic (the live advisor's window) as a fleet it keeps loaded meets it, not an idle one."""
 
     def speculative_counts(self) -> list[int]:

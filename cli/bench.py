@@ -157,7 +157,8 @@ def _add_grid(commands: Subcommands) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--steady", action="store_true",
-        help="each run's requests kept up (three times back to back, the middle counted), not from an idle fleet",
+        help="each run's requests kept up (replayed back to back, the second round counted while the "
+        "rounds after it keep coming), not from an idle fleet",
     )  # fmt: skip
     which.add_argument(
         "--held-out", action="store_true",

@@ -42,8 +42,8 @@ def add_command(sub: Subcommands) -> None:
     p.add_argument("--max-requests", type=positive_int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--warm-up", action="store_true", help="replay the trace three times and report the middle "
-        "round (a short trace met by a fleet it keeps loaded, not an idle one)",
+        "--warm-up", action="store_true", help="replay the trace back to back and report the second "
+        "round (a short trace met by a fleet it keeps loaded while it finishes, not an idle one)",
     )  # fmt: skip
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1)
     p.add_argument(

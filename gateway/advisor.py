@@ -6,11 +6,12 @@ and output tokens, its SLO targets), and those its policy refused for want of a 
 them in time (at the output length it expected of them): they are traffic the fleet, split another
 way, might have served, and the plans replay them as the offline simulator's do. Every `interval_s`,
 with enough of them, it hands them to `specgate plan` in a child process (`bench/plan.py`: every
-split of the fleet's replicas simulated with the adaptive policy on this traffic, replayed three
-times so that the middle round, which it reports, meets a fleet this traffic has loaded and keeps
-loaded rather than an idle one or one emptying behind it, and from the second day at the rate the
-same minutes brought next the day before (`DailyRates`); the profile the policy document names and
-the traffic's commonest SLO pair) and only awaits its answer: the event loop does none of the work.
+split of the fleet's replicas simulated with the adaptive policy on this traffic, replayed back
+to back so that the second round, which it reports, meets a fleet this traffic has loaded and
+keeps loaded while its requests finish, rather than an idle one or one emptying behind it, and
+from the second day at the rate the same minutes brought next the day before (`DailyRates`); the
+profile the policy document names and the traffic's commonest SLO pair) and only awaits its
+answer: the event loop does none of the work.
 The split it recommends (`recommend`) is the one whose requests that met their SLOs were served the
 most tokens: what the fleet is paid to serve, and at one price a server-hour the cheapest good
 tokens; SLO attainment breaks ties. The recommendation and its predicted gain over the fleet's
