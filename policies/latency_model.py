@@ -186,9 +186,13 @@ class LatencyModel:
         return ms
 
     def _mean_context(self, replica: ReplicaState, batch: int, fallback: float) -> float:
+        """A decoding sequence's mean context: the KV cache's tokens, as last scraped, over the
+        sequences that held them then (not over the batch now, which counts the requests sent
+        since: in a ramp, that priced every step at a fraction of its context)."""
         if replica.kv_usage is None or not batch:
             return fallback
-        return max(replica.kv_usage * self._kv_capacity(replica.pool) / batch, 1.0)
+        holders = max(replica.running, 1.0) if replica.running else batch
+        return max(replica.kv_usage * self._kv_capacity(replica.pool) / holders, 1.0)
 
     def _kv_capacity(self, pool: Pool) -> int:
         """The tokens a replica of `pool` holds in its KV cache, as the profile has it."""
@@ -229,7 +233,7 @@ class LatencyModel:
         # A replica holding requests back decodes only those it runs: a newcomer's steps are those
         # of its running batch (it takes the place of one that ends there), however long its queue.
         running = batch
-        if replica.waiting and replica.running is not None:
+        if replica.waiting and replica.holding and replica.running is not None:
             running = min(batch, max(round(replica.running) - 1, 0))
         context = self._mean_context(replica, running, prompt + output / 2)
         k = self.profile.spec.num_speculative_tokens if pool is Pool.SPECULATIVE else 0

@@ -550,3 +550,29 @@ def test_the_tpot_factor_learns_what_the_model_misses_not_what_the_forecast_did(
     assert as_priced.scales.tpot_factor == pytest.approx(1.3, rel=0.02)
     assert crowded.scales.tpot_factor == pytest.approx(1.3, rel=0.03)
     assert crowded.scales.tpot_spread > as_priced.scales.tpot_spread + 0.1
+
+
+@pytest.mark.parametrize("pool", list(Pool))
+def test_the_context_a_step_is_priced_at_is_the_kv_cache_over_the_sequences_that_held_it(pool: Pool) -> None:
+    """Scraped with 4 sequences of 4000 tokens running and 8 requests sent since (not in the cache yet),
+    a newcomer's steps are those of 13 sequences at about 4000 tokens each, not at a third of that."""
+    model = LatencyModel(A100_CODELLAMA_34B)
+    capacity = model._kv_capacity(pool)
+    scraped = idle(pool, in_flight=12, running=4.0, waiting=0.0, kv_usage=4 * 4000 / capacity,
+                   dispatched_since_scrape=8)  # fmt: skip
+    p = model.predict(scraped, FEATURES)
+    at_context = model.step_ms(pool, 13, 4000) / p.tokens_per_step
+    assert p.decode_tpot_ms == pytest.approx(at_context, rel=0.02)
+    assert p.decode_tpot_ms > model.step_ms(pool, 13, 4000 / 3) / p.tokens_per_step * 1.05
+
+
+@pytest.mark.parametrize("pool", list(Pool))
+def test_a_queue_seen_at_one_scrape_is_a_ramp_and_one_that_outlasts_it_holds_newcomers_back(pool: Pool) -> None:
+    """Requests waiting at one scrape are prompts queued for the next steps: a newcomer decodes beside
+    them all. Waiting at two, the replica holds newcomers back, and one decodes in its running batch."""
+    model = LatencyModel(A100_CODELLAMA_34B)
+    scraped = idle(pool, in_flight=24, running=8.0, waiting=16.0)
+    ramp = model.predict(scraped, FEATURES)
+    held = model.predict(replace(scraped, holding=True), FEATURES)
+    assert (ramp.batch, held.batch) == (24, 7)
+    assert ramp.decode_tpot_ms > held.decode_tpot_ms

@@ -431,3 +431,14 @@ def test_a_step_gap_timed_while_prompts_joined_the_replica_is_not_fitted_as_a_de
         r.finished(got_first_byte=True, now=1.55)
         r.observe(None, 0.010, priced, stay, now=1.55, step_s=0.010)
         assert r.fit.fitted == fitted, joined
+
+
+def test_a_replica_holds_newcomers_back_only_once_its_queue_outlasts_a_scrape() -> None:
+    r = Replica("plain-0", "http://x", Pool.PLAIN, SETTINGS)
+    r.scraped(load(), now=10.0, dispatched_at_send=0)  # two waiting: queued for the next steps
+    assert not r.state(now=10.1).holding
+    r.scraped(load(), now=10.5, dispatched_at_send=0)  # still waiting a scrape later: held back
+    assert r.state(now=10.6).holding
+    assert not r.state(now=13.0).holding  # a stale scrape tells nothing
+    r.scraped(VllmLoad(1.0, 0.0, 0.1, 0.0, 0.0, 0.0, None), now=11.0, dispatched_at_send=0)
+    assert not r.state(now=11.1).holding

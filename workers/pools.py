@@ -196,6 +196,8 @@ class Replica:
         """`request_seconds` at the last change of `in_flight`, and when that was."""
         self.crowded_at = -math.inf
         """When a scrape last showed requests held back in it, or its KV cache nearly full."""
+        self.holding = False
+        """Whether the last two scrapes both showed requests waiting in its queue: it holds them back."""
         self.prefilling = 0
         self.prefill_tokens = 0
         self.dispatched = 0
@@ -486,6 +488,7 @@ class Replica:
         # Requests still waiting a scrape later: the replica holds them back (a newcomer waits in
         # its queue only until the next step).
         queued = (load.waiting or 0.0) > 0 and previous is not None and (previous.waiting or 0.0) > 0
+        self.holding = queued
         if queued or (load.kv_usage or 0.0) >= KV_CROWDED:
             self.crowded_at = now
         self._dispatched_at_scrape = dispatched_at_send
@@ -556,6 +559,7 @@ class Replica:
             scales=self.fit.scales,
             checked=self.fit.answers,
             max_model_len=self.max_model_len,
+            holding=self.holding and fresh,
         )
 
 

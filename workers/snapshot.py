@@ -116,6 +116,9 @@ class ReplicaState:
     """How many of the pool's predictions the gateway has seen measured (the scales' evidence)."""
     max_model_len: int | None = None
     """The replica's context window (its /v1/models), once read."""
+    holding: bool = False
+    """Requests waited in its queue at its last two scrapes: it holds newcomers back (its batch or
+    its KV cache full), rather than queueing them for a step or two, as it does in a ramp."""
     weight: float = 1.0
     """The operator's preference for the replica's pool (policy document): policies divide its
     load and its predicted completion by it, so a pool of weight 2 takes about twice the share."""
