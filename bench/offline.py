@@ -67,9 +67,9 @@ class Fleetspec:
 class Switchover:
     """A fleet whose servers switch between the pools as the live advisor switches them: every
     `interval_s` it plans on the requests of the last `window_s` (every split, simulated with the
-    same policy on them replayed back to back, the second round counted: `warmed`), the `Governor` decides,
-    and a server it moves is drained, restarted (`restart_s`, serving nothing) and re-admitted in
-    the other pool."""
+    same policy on them replayed back to back, the second round counted: `warmed`), the `Governor`
+    decides, and a server it moves is drained, restarted (`restart_s`, serving nothing) and
+    re-admitted in the other pool."""
 
     rules: Switching = Switching(enabled=True)  # noqa: RUF009 (immutable)
     interval_s: float = 60.0
@@ -706,7 +706,8 @@ def split_figures(result: RunResult, fleet_per_hour: float | None) -> dict[str, 
 
 
 def steady(trace: Sequence[TraceRequest], scenario: Scenario) -> RunResult:
-    """The traffic's figures in the middle of a stretch of it (`warmed`)."""
+    """The traffic's figures on a fleet it keeps loaded: its second round of a stretch of it,
+    kept up until that round's last request ends (`warmed`)."""
     rounds, start, end = warmed(trace)
     return simulate(rounds, scenario, measured=(start, end)).between(start, end)
 
